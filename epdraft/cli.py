@@ -1,0 +1,48 @@
+"""`epdraft` command line: parses, then calls the module that owns the command.
+
+Each command module exposes `add_arguments(parser)` and `main(args) -> int` (the exit code);
+nothing here knows how a command works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from epdraft.errors import EpdraftError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("epdraft.run", "run speculative decoding end to end (the main job)"),
+    "launch": ("epdraft.launch", "launch the worker ranks of a config through torchrun"),
+    "check": ("epdraft.check", "print the per-layer FFN plan of a draft config or directory"),
+    "plan": ("epdraft.dispatch.planner", "choose the MoE layout for a config and a draft"),
+    "bench": ("epdraft.bench", "benchmarks: dispatch, kernel, transfer"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epdraft", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        cmd = sub.add_parser(name, help=help_text, description=module.__doc__)
+        module.add_arguments(cmd)
+        cmd.set_defaults(_main=module.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args._main(args)
+    except EpdraftError as e:
+        print(f"epdraft {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

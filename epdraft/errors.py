@@ -1,0 +1,29 @@
+"""Every error epdraft raises on purpose.
+
+Each message names what is at fault (file, key path, tensor, rank) and what was expected, so a bad
+input stops the run with one readable line instead of a hang or a stack trace deep in a collective.
+"""
+
+
+class EpdraftError(Exception):
+    """Base class of every error epdraft raises on purpose."""
+
+
+class ConfigError(EpdraftError, ValueError):
+    """A config (HF config.json, ParallelConfig file, CLI override) the runtime cannot run."""
+
+
+class LoadError(EpdraftError):
+    """A checkpoint that is missing tensors, has wrong shapes or cannot be read."""
+
+
+class ParallelError(EpdraftError):
+    """A process-group, backend or hardware problem found while building or running a layout."""
+
+
+class StepMismatch(ParallelError):
+    """Ranks disagree on the step id: they are no longer in lockstep."""
+
+
+class RequestError(EpdraftError):
+    """One request is malformed (empty prompt, token id outside the vocabulary)."""

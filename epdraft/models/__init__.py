@@ -1,0 +1,1 @@
+"""epdraft.models."""
