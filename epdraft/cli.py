@@ -22,20 +22,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only `command`'s module is imported, so one command's dependencies never break another."""
     parser = argparse.ArgumentParser(prog="epdraft", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
-        module = importlib.import_module(module_name)
-        cmd = sub.add_parser(name, help=help_text, description=module.__doc__)
-        module.add_arguments(cmd)
-        cmd.set_defaults(_main=module.main)
+        cmd = sub.add_parser(name, help=help_text)
+        if name == command:
+            module = importlib.import_module(module_name)
+            cmd.description = module.__doc__
+            module.add_arguments(cmd)
+            cmd.set_defaults(_main=module.main)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(next((a for a in argv if a in COMMANDS), None)).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args._main(args)

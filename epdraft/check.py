@@ -1,0 +1,109 @@
+"""`epdraft check DRAFT_DIR_OR_CONFIG_JSON`: print the per-layer FFN plan a draft config asks for.
+
+Reads `DIR/config.json` (or the JSON file given), parses it exactly as the runtime does and prints,
+per layer (identical consecutive layers collapsed into a range): dense or MoE, experts x
+intermediate size, top-k, router, shared expert, activation and the routed experts' bf16 bytes.
+A config the runtime cannot run exits 2 with one line naming the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from epdraft.config.ffn import ActivationSpec, DraftDenseFFNSpec, DraftMixFFNSpec, DraftMoeFFNSpec, FFNSpec, RouterSpec
+from epdraft.config.hf import parse_ffn_config, read_config_json
+from epdraft.errors import ConfigError
+
+_BF16_BYTES = 2
+_COLUMNS = ("layers", "kind", "E x I", "top-k", "router", "shared expert", "activation", "experts (bf16)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", metavar="DRAFT_DIR_OR_CONFIG_JSON",
+                        help="a draft checkpoint directory (its config.json is read) or a config JSON file")
+
+
+def main(args: argparse.Namespace) -> int:
+    config = read_config_json(args.path)
+    try:
+        spec = parse_ffn_config(config)
+    except ConfigError as e:
+        raise ConfigError(f"{_config_file(args.path)}: {e}") from None
+    print(format_plan(spec, source=str(_config_file(args.path))))
+    return 0
+
+
+def format_plan(spec: DraftMixFFNSpec, source: str = "") -> str:
+    """The plan as text: a header, one row per run of identical layers, the total expert bytes."""
+    rows = [_COLUMNS]
+    total = 0
+    for first, last, layer in _runs(spec.layers):
+        layer_bytes = _expert_bytes(layer, spec.hidden_size)
+        total += layer_bytes * (last - first + 1)
+        span = str(first) if first == last else f"{first}-{last}"
+        rows.append((span, *_describe(layer), _human(layer_bytes) if layer_bytes else "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    num_moe = len(spec.moe_layers)
+    header = (f"{source + ': ' if source else ''}family {spec.family}, hidden {spec.hidden_size}, "
+              f"{spec.num_layers} layers ({spec.num_layers - num_moe} dense, {num_moe} MoE)")
+    footer = f"routed expert weights (bf16): {_human(total)} total ({total} bytes)"
+    return "\n".join([header, *table, footer])
+
+
+def _config_file(path: str) -> Path:
+    p = Path(path)
+    return p / "config.json" if p.is_dir() else p
+
+
+def _runs(layers: tuple[FFNSpec, ...]) -> list[tuple[int, int, FFNSpec]]:
+    """(first, last, spec) for each run of equal consecutive layer specs."""
+    runs: list[tuple[int, int, FFNSpec]] = []
+    for i, layer in enumerate(layers):
+        if runs and runs[-1][2] == layer:
+            runs[-1] = (runs[-1][0], i, layer)
+        else:
+            runs.append((i, i, layer))
+    return runs
+
+
+def _describe(layer: FFNSpec) -> tuple[str, ...]:
+    """(kind, E x I, top-k, router, shared expert, activation) cells of one layer."""
+    if isinstance(layer, DraftDenseFFNSpec):
+        return ("dense", str(layer.intermediate_size), "-", "-", "-", _activation(layer.activation))
+    shared = "-"
+    if layer.shared_intermediate_size:
+        shared = f"{layer.shared_intermediate_size} {'gated' if layer.shared_gate else 'ungated'}"
+    act = _activation(layer.activation) + (" +bias" if layer.expert_bias else "")
+    return ("MoE", f"{layer.num_experts} x {layer.intermediate_size}", str(layer.top_k),
+            _router(layer.router), shared, act)
+
+
+def _router(router: RouterSpec) -> str:
+    """e.g. `softmax renorm`, `sigmoid renorm noaux_tc groups 8/4 x2.5`, `softmax_topk logit-bias`."""
+    parts = [router.scoring]
+    if router.norm_topk_prob and router.scoring != "softmax_topk":
+        parts.append("renorm")
+    parts += {"none": [], "selection": ["noaux_tc"], "logit": ["logit-bias"]}[router.bias]
+    if router.group_limited:
+        parts.append(f"groups {router.n_group}/{router.topk_group}")
+    if router.routed_scaling_factor != 1.0:
+        parts.append(f"x{router.routed_scaling_factor:g}")
+    return " ".join(parts)
+
+
+def _activation(act: ActivationSpec) -> str:
+    text = act.kind if act.kind == "swiglu" else f"{act.kind} alpha {act.alpha:g}"
+    return text + (f" clamp {act.limit:g}" if act.limit > 0 else "")
+
+
+def _expert_bytes(layer: FFNSpec, hidden_size: int) -> int:
+    return layer.expert_bytes(hidden_size, _BF16_BYTES) if isinstance(layer, DraftMoeFFNSpec) else 0
+
+
+def _human(num_bytes: int) -> str:
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} B"

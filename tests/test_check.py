@@ -1,0 +1,113 @@
+"""`epdraft check`: every fixture prints its plan and exits 0; a bad config exits 2 naming the key."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epdraft import cli
+
+FIXTURES = Path(__file__).parent / "fixtures" / "configs"
+REPO = Path(__file__).parent.parent
+
+
+def run_check(capsys, path: Path) -> tuple[int, str, str]:
+    code = cli.main(["check", str(path)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("fixture", sorted(p.name for p in FIXTURES.glob("*.json")))
+def test_every_fixture_prints_its_plan(capsys, fixture):
+    code, out, err = run_check(capsys, FIXTURES / fixture)
+    assert code == 0, err
+    header, columns, *rows, total = out.strip().splitlines()
+    assert "family" in header and "layers" in header
+    assert columns.split()[:2] == ["layers", "kind"]
+    assert rows and all(row.split()[1] in ("dense", "MoE") for row in rows)
+    assert total.startswith("routed expert weights (bf16):")
+
+
+def test_deepseek_v3_plan(capsys):
+    code, out, _ = run_check(capsys, FIXTURES / "deepseek-v3.json")
+    rows = out.strip().splitlines()[2:-1]
+    assert code == 0 and len(rows) == 2
+    assert rows[0].split()[:3] == ["0-2", "dense", "18432"]
+    assert rows[1].split()[:6] == ["3-60", "MoE", "256", "x", "2048", "8"]
+    assert "sigmoid renorm noaux_tc groups 8/4 x2.5" in rows[1] and "2048 ungated" in rows[1]
+    per_layer = 256 * 3 * 2048 * 7168 * 2
+    assert f"({58 * per_layer} bytes)" in out
+
+
+def test_plan_columns_per_family(capsys):
+    _, out, _ = run_check(capsys, FIXTURES / "gpt-oss-20b.json")
+    assert "softmax_topk logit-bias" in out and "swigluoai alpha 1.702 clamp 7 +bias" in out
+    _, out, _ = run_check(capsys, FIXTURES / "qwen3.8-27b-dspark-moe-v2.json")
+    assert "softmax renorm logit-bias" in out and "2048 gated" in out
+    _, out, _ = run_check(capsys, FIXTURES / "deepseek-v4-flash-dspark-moe.json")
+    assert "sqrtsoftplus renorm noaux_tc x1.5" in out and "swiglu clamp 10" in out
+
+
+def test_directory_reads_its_config_json(capsys, tmp_path):
+    (tmp_path / "config.json").write_text((FIXTURES / "mixtral-8x7b.json").read_text())
+    code, out, _ = run_check(capsys, tmp_path)
+    assert code == 0 and "0-31" in out and "8 x 14336" in out
+
+
+def _with(name: str, **changes) -> dict:
+    config = json.loads((FIXTURES / f"{name}.json").read_text())
+    config.update(changes)
+    return config
+
+
+MALFORMED = [
+    (_with("deepseek-v3", n_group=3), "n_group = 3 must divide n_routed_experts = 256"),
+    (_with("deepseek-v3", topk_group=0), "topk_group = 0"),
+    (_with("deepseek-v3", quantization_config={"quant_method": "fp8"}), "quantization_config"),
+    (_with("deepseek-v3", scoring_func="softmax"), "scoring_func = 'softmax'"),
+    (_with("mixtral-8x7b", num_experts_per_tok=9), "num_experts_per_tok = 9"),
+    (_with("mixtral-8x7b", hidden_act="gelu"), "hidden_act = 'gelu'"),
+    (_with("qwen2-57b-a14b", shared_expert_intermediate_size=0), "shared_expert_intermediate_size = 0"),
+    (_with("qwen3-30b-a3b", moe_intermediate_size=-4), "moe_intermediate_size = -4"),
+    (_with("deepseek-v4-flash", num_hash_layers=3), "num_hash_layers = 3"),
+    (_with("gpt-oss-20b", quantization_config={"quant_method": "mxfp4"}), "mxfp4"),
+    (_with("qwen3.8-27b-dspark-moe", n_shared_experts=2), "n_shared_experts = 2"),
+    (_with("qwen3.8-27b-dspark-moe", scoring_func="tanh"), "scoring_func = 'tanh'"),
+    (_with("qwen3.8-27b-dspark-moe", moe_preset="nope"), "moe_preset = 'nope'"),
+    (_with("qwen3.8-27b-dspark-moe", num_hidden_layers=None), "num_hidden_layers is missing"),
+]
+
+
+@pytest.mark.parametrize("config, needle", MALFORMED, ids=[m[1] for m in MALFORMED])
+def test_malformed_config_exits_2_naming_the_key(capsys, tmp_path, config, needle):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, out, err = run_check(capsys, path)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and needle in err and str(path) in err, err
+
+
+def test_unreadable_inputs_exit_2_naming_the_file(capsys, tmp_path):
+    code, _, err = run_check(capsys, tmp_path / "missing.json")
+    assert code == 2 and "missing.json: cannot read" in err
+    code, _, err = run_check(capsys, tmp_path)  # a directory without config.json
+    assert code == 2 and "config.json: cannot read" in err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    code, _, err = run_check(capsys, bad)
+    assert code == 2 and "bad.json: invalid JSON" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.timeout(120)
+def test_module_entry_point_subprocess():
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    fixture = FIXTURES / "qwen3-30b-a3b.json"
+    done = subprocess.run([sys.executable, "-m", "epdraft.cli", "check", str(fixture)],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=100)
+    assert done.returncode == 0, done.stderr
+    assert "family qwen3_moe" in done.stdout and "0-47" in done.stdout and "128 x 768" in done.stdout
