@@ -7,3 +7,11 @@ Shape legend used in names across epdraft (`x_TH`, `w13_eNH`):
     F intermediate slice held here (I / moe_tp); N = 2F (gate and up stacked)
     R rows after dispatch          S shared-expert intermediate size
 """
+
+from epdraft.layers.build import build_ffn
+from epdraft.layers.mlp import DraftMLP
+from epdraft.layers.moe import DraftMoE
+from epdraft.layers.routed_experts import RoutedExperts, run_experts
+from epdraft.layers.router import Router
+
+__all__ = ["DraftMLP", "DraftMoE", "RoutedExperts", "Router", "build_ffn", "run_experts"]

@@ -1,0 +1,95 @@
+"""DraftMoE: router -> dispatch -> routed experts -> combine (+ shared expert), on every rank."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from epdraft.config.ffn import DraftMoeFFNSpec
+from epdraft.layers.mlp import DraftMLP
+from epdraft.layers.moe_context import MoeContext
+from epdraft.layers.routed_experts import RoutedExperts
+from epdraft.layers.router import Router
+from epdraft.loading import ExpertShard, TensorSource, check_ffn_loaded, load_into
+
+
+class DraftMoE(nn.Module):
+    """One MoE FFN layer, placed by a MoeContext (default: replicated, ep = tp = 1).
+
+    Submodules (canonical loader names): `router` (fp32 `weight [E, H]`, `bias [E]`), `experts`
+    (`w13 [e, 2F, H]`, `w2 [e, H, F]`, `b13`, `b2`), `shared` (DraftMLP of width S with an optional
+    `output_gate`) when the spec has a shared expert. The shared expert is replicated: it runs on
+    this rank's own tokens, outside the collectives.
+    """
+
+    def __init__(
+        self,
+        spec: DraftMoeFFNSpec,
+        hidden_size: int,
+        *,
+        layer_id: int | None = None,
+        moe_context: MoeContext | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.layer_id = layer_id
+        self.ctx = moe_context if moe_context is not None else MoeContext()
+        shard = ExpertShard(
+            num_experts=spec.num_experts,
+            intermediate_size=spec.intermediate_size,
+            hidden_size=hidden_size,
+            ep_rank=self.ctx.ep_rank,
+            ep_size=self.ctx.ep_size,
+            tp_rank=self.ctx.tp_rank,
+            tp_size=self.ctx.tp_size,
+            transposed_interleaved=spec.activation.kind == "swigluoai",
+            layer_id=layer_id,
+        )
+        self.router = Router(spec.router, hidden_size, device=device)
+        self.experts = RoutedExperts(shard, spec.activation, bias=spec.expert_bias, dtype=dtype, device=device)
+        self.shared: DraftMLP | None = None
+        if spec.shared_intermediate_size > 0:
+            self.shared = DraftMLP(
+                hidden_size,
+                spec.shared_intermediate_size,
+                spec.activation,
+                output_gate=spec.shared_gate,
+                layer_id=layer_id,
+                dtype=dtype,
+                device=device,
+            )
+        self.loaded_pieces: set = set()
+
+    @property
+    def expert_shard(self) -> ExpertShard:
+        return self.experts.shard
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """x_TH [T, H] -> [T, H] in x's dtype.
+
+        T = 0 still routes, dispatches and combines: every rank of the MoE group enters every
+        collective of every layer, or the ranks with tokens hang.
+        """
+        ids_TK, weights_TK = self.router(x_TH)
+        dispatcher = self.ctx.dispatcher
+        handle = dispatcher.dispatch(x_TH, ids_TK, weights_TK, self.ctx.current_plan())
+        y_TH = dispatcher.combine(self.experts(handle.rows_RH, handle.ids_RK, handle.weights_RK), handle)
+        if self.shared is not None:
+            y_TH = y_TH + self.shared(x_TH)
+        return y_TH
+
+    def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | TensorSource) -> set[str]:
+        """Copy this layer's tensors (only this rank's experts and slice) from any accepted naming.
+
+        Returns the names consumed; other names (other layers, other ranks' experts) are ignored.
+        Raises LoadError on a shape mismatch, naming the tensor and both shapes.
+        """
+        return load_into(self, named_tensors, self.layer_id)
+
+    def check_loaded(self) -> None:
+        """Raise LoadError listing every tensor this layer still lacks (this rank's experts only)."""
+        check_ffn_loaded(self, self.layer_id)

@@ -1,0 +1,48 @@
+"""Router module: holds the gate weight (and bias) in fp32 and calls the pure routing math."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epdraft.config.ffn import RouterSpec
+from epdraft.layers.routing import route
+
+
+class Router(nn.Module):
+    """Top-k router of one MoE layer.
+
+    Parameters are fp32 whatever the model dtype (`weight [E, H]`, `bias [E]` when
+    `spec.bias != "none"`): the logits are computed in fp32 so every rank and every
+    implementation picks the same experts on near-ties.
+    """
+
+    def __init__(self, spec: RouterSpec, hidden_size: int, *, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.weight = nn.Parameter(
+            torch.empty(spec.num_experts, hidden_size, dtype=torch.float32, device=device), requires_grad=False
+        )
+        self.bias: nn.Parameter | None = None
+        if spec.bias != "none":
+            bias_E = torch.zeros(spec.num_experts, dtype=torch.float32, device=device)
+            self.bias = nn.Parameter(bias_E, requires_grad=False)
+
+    def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route tokens.
+
+        Args:
+            x_TH: [T, H] hidden states in any float dtype; T may be 0.
+        Returns:
+            (ids_TK int64 global expert ids, weights_TK fp32 final combine weights).
+        """
+        logits_TE = F.linear(x_TH.float(), self.weight.float())
+        if self.spec.bias == "logit":
+            logits_TE = logits_TE + self.bias
+        selection_bias = self.bias if self.spec.bias == "selection" else None
+        return route(logits_TE, self.spec, selection_bias)
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return f"E={s.num_experts}, K={s.top_k}, scoring={s.scoring}, bias={s.bias}"

@@ -1,0 +1,17 @@
+"""safetensors -> FFN modules: every export naming, EP/TP-sharded reads, strict checks."""
+
+from epdraft.loading.ffn import check_ffn_loaded, load_ffn, load_into
+from epdraft.loading.shard import ExpertShard
+from epdraft.loading.source import DictSource, SafetensorsSource, TensorSource, as_source, open_checkpoint
+
+__all__ = [
+    "DictSource",
+    "ExpertShard",
+    "SafetensorsSource",
+    "TensorSource",
+    "as_source",
+    "check_ffn_loaded",
+    "load_ffn",
+    "load_into",
+    "open_checkpoint",
+]

@@ -1,0 +1,181 @@
+"""Copy checkpoint tensors into FFN modules: only this rank's experts and slice, strictly checked.
+
+The loader sees a module through three things: `named_parameters()` with canonical names (see
+`epdraft.loading.names`), `expert_shard` (None for a dense MLP) and a `loaded_pieces` set it fills.
+A piece is (slot, global expert or None, part); `check_ffn_loaded` compares the pieces filled with
+the pieces the module needs, so a missing expert is named even when other experts came stacked.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from epdraft.errors import LoadError
+from epdraft.loading.names import MLP_RULES, MOE_RULES, display_name, match, relative_name
+from epdraft.loading.shard import ExpertShard
+from epdraft.loading.source import TensorSource, as_source
+
+log = logging.getLogger(__name__)
+
+Piece = tuple[str, int | None, str]
+
+_ALL = slice(None)
+
+
+def _expected_shape(form: str, part: str, shard: ExpertShard | None, param: torch.Tensor) -> tuple[int, ...]:
+    if form == "whole":
+        return tuple(param.shape)
+    E, I, H = shard.num_experts, shard.intermediate_size, shard.hidden_size
+    return {
+        "expert": (H, I) if part == "down" else (I, H),
+        "stacked": (E, H, I) if part == "down" else (E, I, H),
+        "fused_gate_up": (E, 2 * I, H),
+        "oss_gate_up": (E, H, 2 * I),
+        "oss_down": (E, I, H),
+        "oss_gate_up_bias": (E, 2 * I),
+        "down_bias": (E, H),
+    }[form]
+
+
+def _copy(
+    source: TensorSource,
+    name: str,
+    form: str,
+    part: str,
+    expert: int | None,
+    param: torch.Tensor,
+    shard: ExpertShard | None,
+) -> list[tuple[int | None, str]] | None:
+    """Read this rank's share of `name` into `param`; the (expert, part) pieces filled, None if none are ours."""
+    if form == "whole":
+        param.copy_(source.get(name))
+        return [(None, "")]
+    s = shard
+    rows = slice(s.first, s.first + s.count)
+    F_, f0 = s.slice_size, s.slice_start
+    cols = slice(f0, f0 + F_)
+    local = range(s.first, s.first + s.count)
+    half = 0 if part in ("gate", "down") else F_  # gate rows then up rows in w13
+    if form == "expert":
+        if expert >= s.num_experts:
+            raise LoadError(f"{name}: expert {expert} out of range, the layer has {s.num_experts} experts")
+        if not s.holds(expert):
+            return None
+        dest = param[expert - s.first]
+        if part == "down":
+            dest.copy_(source.get(name, (_ALL, cols)))
+        else:
+            dest[half : half + F_].copy_(source.get(name, (cols,)))
+        return [(expert, part)]
+    if form == "stacked":
+        if part == "down":
+            param.copy_(source.get(name, (rows, _ALL, cols)))
+        else:
+            param[:, half : half + F_].copy_(source.get(name, (rows, cols)))
+        return [(g, part) for g in local]
+    if form == "fused_gate_up":
+        I = s.intermediate_size
+        param[:, :F_].copy_(source.get(name, (rows, cols)))
+        param[:, F_:].copy_(source.get(name, (rows, slice(I + f0, I + f0 + F_))))
+        return [(g, p) for g in local for p in ("gate", "up")]
+    if form == "oss_gate_up":
+        x_eHN = source.get(name, (rows, _ALL, slice(2 * f0, 2 * (f0 + F_))))
+        param[:, :F_].copy_(x_eHN[..., 0::2].transpose(1, 2))
+        param[:, F_:].copy_(x_eHN[..., 1::2].transpose(1, 2))
+        return [(g, p) for g in local for p in ("gate", "up")]
+    if form == "oss_down":
+        param.copy_(source.get(name, (rows, cols)).transpose(1, 2))
+        return [(g, "down") for g in local]
+    if form == "oss_gate_up_bias":
+        x_eN = source.get(name, (rows, slice(2 * f0, 2 * (f0 + F_))))
+        param[:, :F_].copy_(x_eN[:, 0::2])
+        param[:, F_:].copy_(x_eN[:, 1::2])
+        return [(g, "") for g in local]
+    if form == "down_bias":
+        # Only TP rank 0 adds the down bias: the TP ranks' partial outputs are summed.
+        if s.tp_rank == 0:
+            param.copy_(source.get(name, (rows,)))
+        else:
+            param.zero_()
+        return [(g, "") for g in local]
+    raise AssertionError(f"unknown form {form!r}")
+
+
+def load_into(module: nn.Module, tensors: Mapping[str, torch.Tensor] | TensorSource, layer_id: int | None) -> set[str]:
+    """Copy every tensor of `tensors` that belongs to `module` (FFN of layer `layer_id`).
+
+    Returns the names consumed. Names of other layers, other ranks' experts and unknown names are
+    ignored; a known name the module has no slot for (e.g. `gate.bias` for a spec without a router
+    bias) is ignored with a warning. Raises LoadError on a shape mismatch, naming the tensor, the
+    expected and the found shape.
+    """
+    source = as_source(tensors)
+    params = dict(module.named_parameters())
+    shard: ExpertShard | None = module.expert_shard
+    rules = MLP_RULES if shard is None else MOE_RULES
+    consumed: set[str] = set()
+    unused: list[str] = []
+    with torch.no_grad():
+        for name in source.keys():
+            relative = relative_name(name, layer_id)
+            hit = match(relative, rules) if relative is not None else None
+            if hit is None:
+                continue
+            rule, expert = hit
+            param = params.get(rule.slot)
+            if param is None:
+                unused.append(name)
+                continue
+            form = rule.oss_form if shard is not None and shard.transposed_interleaved and rule.oss_form else rule.form
+            expected = _expected_shape(form, rule.part, shard, param)
+            found = tuple(source.shape(name))
+            if found != expected:
+                raise LoadError(
+                    f"{name}: expected shape {list(expected)}, found {list(found)} (layer {layer_id}, slot {rule.slot})"
+                )
+            pieces = _copy(source, name, form, rule.part, expert, param, shard)
+            if pieces is None:
+                continue
+            module.loaded_pieces.update((rule.slot, g, p) for g, p in pieces)
+            consumed.add(name)
+    if unused:
+        log.warning("layer %s: the spec has no slot for %s; ignored", layer_id, ", ".join(sorted(unused)))
+    return consumed
+
+
+def _required(module: nn.Module) -> list[Piece]:
+    shard: ExpertShard | None = module.expert_shard
+    local = range(shard.first, shard.first + shard.count) if shard is not None else range(0)
+    parts = {"experts.w13": ("gate", "up"), "experts.w2": ("down",), "experts.b13": ("",), "experts.b2": ("",)}
+    pieces: list[Piece] = []
+    for slot, _ in module.named_parameters():
+        if slot in parts:
+            pieces.extend((slot, g, p) for g in local for p in parts[slot])
+        else:
+            pieces.append((slot, None, ""))
+    return pieces
+
+
+def check_ffn_loaded(module: nn.Module, layer_id: int | None) -> None:
+    """Raise LoadError listing every tensor `module` still lacks (names in SpecForge/HF convention)."""
+    missing = [p for p in _required(module) if p not in module.loaded_pieces]
+    if missing:
+        names = ", ".join(display_name(slot, g, part, layer_id) for slot, g, part in missing)
+        aliases = "DeepSeek names w1/w3/w2"
+        if module.expert_shard is not None:
+            aliases += ", stacked experts.w1|w2|w3 and fused experts.gate_up_proj"
+        raise LoadError(f"layer {layer_id}: {len(missing)} tensor(s) missing: {names} ({aliases} are accepted too)")
+
+
+def load_ffn(module: nn.Module, source: Mapping[str, torch.Tensor] | TensorSource, layer_id: int | None) -> set[str]:
+    """Load the FFN of layer `layer_id` from a whole checkpoint and check nothing is missing.
+
+    Returns the names consumed. Raises LoadError for a missing tensor or a wrong shape.
+    """
+    consumed = load_into(module, source, layer_id)
+    check_ffn_loaded(module, layer_id)
+    return consumed
