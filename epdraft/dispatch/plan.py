@@ -11,11 +11,13 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     `ranks` are the global ranks of the sync group in group order; `counts[i]` is the row count of
     `ranks[i]`. Plain data: `epdraft.worker` builds it, `epdraft.dispatch` only reads it, so every
     rank takes the same branch (skip, pad length, buffer sizes) from the same numbers.
+    `extras[i]` are the caller's extra ints of `ranks[i]`, gathered in the same collective.
     """
 
     step: int
     ranks: tuple[int, ...]
     counts: tuple[int, ...]
+    extras: tuple[tuple[int, ...], ...] = ()
 
     @property
     def total(self) -> int:

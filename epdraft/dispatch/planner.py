@@ -1,0 +1,209 @@
+"""`epdraft plan CONFIG DRAFT`: estimate each MoE layout's per-step cost and choose one (for `auto`).
+
+The model is deliberately small: a draft step's MoE time is the experts' weight reads (small
+batches are weight-bandwidth bound) plus, per collective, one link latency and the bytes over the
+link bandwidth. Layouts whose expert weights do not fit the per-rank memory budget are ruled out.
+Defaults per link are published figures (see the performance reference); every number can be
+overridden, and the printout shows the estimates behind the choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from epdraft.config.ffn import DraftMixFFNSpec, DraftMoeFFNSpec
+from epdraft.errors import ConfigError
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A link class: bandwidth per direction (GB/s = 1e9 B/s) and per-collective latency (us)."""
+
+    name: str
+    bandwidth_gbps: float
+    latency_us: float
+
+
+LINKS = {
+    "nvlink": Link("nvlink", 370.0, 25.0),  # NCCL busBw on NVLink 4; torch all_to_all EP8 ~24 us
+    "ib": Link("ib", 45.0, 40.0),  # CX7 400 Gb/s RDMA as DeepEP measures it
+    "tcp": Link("tcp", 2.4, 50.0),  # loopback TCP on a small host (4 KiB ~50 us, 64 MiB ~2.4 GB/s)
+}
+MEMORY_BANDWIDTH_GBPS = {"cuda": 4800.0, "cpu": 20.0}  # H200 HBM3e; a modest host
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutEstimate:
+    """One candidate's per-step estimate over all MoE layers."""
+
+    layout: str
+    dp_padding: str
+    comm_us: float
+    experts_us: float
+    expert_bytes_per_rank: int
+    fits: bool
+
+    @property
+    def total_us(self) -> float:
+        return self.comm_us + self.experts_us
+
+    @property
+    def label(self) -> str:
+        return f"{self.layout} ({self.dp_padding})" if self.layout == "gather" else self.layout
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanChoice:
+    """The chosen layout, every estimate (cheapest first) and a one-line reason."""
+
+    layout: str
+    dp_padding: str
+    estimates: tuple[LayoutEstimate, ...]
+    reason: str
+
+
+def _distinct(held: float, num_experts: int, pairs: float) -> float:
+    """Expected experts touched among `held` when `pairs` token-expert pairs fall uniformly on E experts."""
+    return held * (1.0 - (1.0 - 1.0 / num_experts) ** pairs)
+
+
+def _estimate(
+    layout: str, padding: str, moe: DraftMoeFFNSpec, hidden: int, ep: int, tp: int, rows: int, link: Link,
+    mem_bw_gbps: float, dtype_bytes: int,
+) -> tuple[float, float, int]:
+    """(comm_us, experts_us, expert_bytes_per_rank) of one MoE layer."""
+    E, K, I = moe.num_experts, moe.top_k, moe.intermediate_size
+    G = ep * tp if layout != "replicated" else 1
+    held, F_ = (E, I) if layout == "replicated" else (E // ep, I // tp)
+    expert_bytes = held * 3 * F_ * hidden * dtype_bytes
+    touched = _distinct(held, E, G * rows * K)
+    experts_us = touched * 3 * F_ * hidden * dtype_bytes / (mem_bw_gbps * 1e3)
+    row_bytes = hidden * dtype_bytes
+    route_bytes = 2 * K * 4  # ids and weights as fp32 beside each row
+    us_per_byte = 1.0 / (link.bandwidth_gbps * 1e3)
+    if layout == "replicated":
+        comm_us = 0.0
+    elif layout == "alltoall":
+        destinations = _distinct(ep, ep, K)  # ranks a token visits
+        sent = rows * destinations * (ep - 1) / ep
+        comm_us = 4 * link.latency_us + sent * (2 * row_bytes + route_bytes) * us_per_byte  # counts, rows, routes, back
+    elif padding == "max_len":
+        gathered = (G - 1) * rows
+        comm_us = 3 * link.latency_us + gathered * (2 * row_bytes + route_bytes) * us_per_byte
+    else:
+        reduced = 2 * (G - 1) * rows  # ring all-reduce moves 2(G-1)/G of the G*rows buffer
+        comm_us = 3 * link.latency_us + reduced * (2 * row_bytes + route_bytes) * us_per_byte
+    return comm_us, experts_us, expert_bytes
+
+
+def choose_layout(
+    spec: DraftMixFFNSpec,
+    *,
+    ep: int,
+    tp: int,
+    rows_per_rank: int,
+    link: Link,
+    mem_bw_gbps: float,
+    memory_budget_bytes: int,
+    dtype_bytes: int = 2,
+) -> PlanChoice:
+    """Cheapest layout for this draft at the config's moe_ep x moe_tp among those that fit in memory.
+
+    Pure: the caller (the worker resolving `auto`) logs `reason` once.
+
+    Raises ConfigError when no candidate's expert shard fits `memory_budget_bytes`.
+    """
+    moe_layers = [layer for layer in spec.layers if isinstance(layer, DraftMoeFFNSpec)]
+    candidates = [("replicated", "max_len")]
+    if ep * tp > 1:
+        if tp == 1:
+            candidates.append(("alltoall", "max_len"))
+        candidates += [("gather", "max_len"), ("gather", "sum_len")]
+    estimates = []
+    for layout, padding in candidates:
+        per_layer = [
+            _estimate(layout, padding, m, spec.hidden_size, ep, tp, rows_per_rank, link, mem_bw_gbps, dtype_bytes)
+            for m in moe_layers
+        ]
+        expert_bytes = sum(p[2] for p in per_layer)
+        estimates.append(
+            LayoutEstimate(
+                layout=layout,
+                dp_padding=padding,
+                comm_us=sum(p[0] for p in per_layer),
+                experts_us=sum(p[1] for p in per_layer),
+                expert_bytes_per_rank=expert_bytes,
+                fits=expert_bytes <= memory_budget_bytes,
+            )
+        )
+    estimates.sort(key=lambda est: (not est.fits, est.total_us))
+    best = estimates[0]
+    if not best.fits:
+        smallest = min(e.expert_bytes_per_rank for e in estimates)
+        raise ConfigError(
+            f"draft.moe_ep = {ep}, draft.moe_tp = {tp}: the smallest expert shard needs "
+            f"{smallest / GIB:.1f} GiB per rank, over the {memory_budget_bytes / GIB:.1f} GiB budget"
+        )
+    runner_up = next((e for e in estimates[1:] if e.fits), None)
+    reason = f"{best.label}: {best.total_us:.0f} us/step estimated over {len(moe_layers)} MoE layers"
+    if runner_up is not None:
+        reason += f", vs {runner_up.label} {runner_up.total_us:.0f} us"
+    ruled_out = [e.label for e in estimates if not e.fits]
+    if ruled_out:
+        reason += f"; {', '.join(ruled_out)} over the {memory_budget_bytes / GIB:.1f} GiB expert budget"
+    return PlanChoice(layout=best.layout, dp_padding=best.dp_padding, estimates=tuple(estimates), reason=reason)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", metavar="CONFIG", help="parallel config (.toml/.yaml/.json)")
+    parser.add_argument("draft", metavar="DRAFT", help="draft checkpoint directory or its config.json")
+    parser.add_argument("--rows", type=int, default=64, help="draft rows per rank per step (default 64)")
+    parser.add_argument("--link", choices=sorted(LINKS), help="link class (default: from the config's cluster)")
+    parser.add_argument("--bandwidth-gbps", type=float, help="override the link bandwidth, GB/s per direction")
+    parser.add_argument("--latency-us", type=float, help="override the per-collective latency, us")
+    parser.add_argument("--mem-bw-gbps", type=float, help="override the device memory bandwidth, GB/s")
+    parser.add_argument("--memory-gib", type=float, default=16.0, help="per-rank budget for expert weights (default 16)")
+    parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per expert weight (default 2, bf16)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from epdraft.config.hf import read_config_json
+    from epdraft.config.parallel import load_parallel_config
+
+    pc = load_parallel_config(args.config)
+    spec = DraftMixFFNSpec.from_config(read_config_json(args.draft))
+    if not spec.moe_layers:
+        print(f"{args.draft}: no MoE layer; every layout is 'replicated' (no expert communication)")
+        return 0
+    device = "cpu" if pc.cluster.device == "cpu" else "cuda"
+    d = pc.draft
+    default_link = "tcp" if device == "cpu" else ("ib" if d.moe_group_size > pc.cluster.nproc_per_node else "nvlink")
+    base = LINKS[args.link or default_link]
+    link = Link(base.name, args.bandwidth_gbps or base.bandwidth_gbps, args.latency_us or base.latency_us)
+    choice = choose_layout(
+        spec,
+        ep=d.moe_ep,
+        tp=d.moe_tp,
+        rows_per_rank=args.rows,
+        link=link,
+        mem_bw_gbps=args.mem_bw_gbps or MEMORY_BANDWIDTH_GBPS[device],
+        memory_budget_bytes=int(args.memory_gib * GIB),
+        dtype_bytes=args.dtype_bytes,
+    )
+    print(f"config {args.config}: draft.moe_ep = {d.moe_ep}, draft.moe_tp = {d.moe_tp}, draft.moe_layout = {d.moe_layout!r}")
+    print(f"draft {args.draft}: {len(spec.moe_layers)} MoE layers, H = {spec.hidden_size}, {args.rows} rows/rank")
+    print(f"link {link.name}: {link.bandwidth_gbps:g} GB/s, {link.latency_us:g} us per collective")
+    print(f"{'layout':<18}{'comm us':>10}{'experts us':>12}{'total us':>10}{'experts GiB/rank':>18}  fits")
+    for e in choice.estimates:
+        print(
+            f"{e.label:<18}{e.comm_us:>10.1f}{e.experts_us:>12.1f}{e.total_us:>10.1f}"
+            f"{e.expert_bytes_per_rank / GIB:>18.2f}  {'yes' if e.fits else 'no'}"
+        )
+    print(f"choice: {choice.layout}" + (f", dp_padding = {choice.dp_padding}" if choice.layout == "gather" else ""))
+    print(f"why: {choice.reason}")
+    if d.moe_layout not in ("auto", choice.layout):
+        print(f"note: the config asks for {d.moe_layout!r}; the estimates favour {choice.layout!r}")
+    return 0

@@ -1,0 +1,62 @@
+"""choose_layout picks from its estimates, respects the memory budget; `epdraft plan` prints the choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from epdraft.cli import main as cli_main
+from epdraft.config.ffn import DraftMixFFNSpec, DraftMoeFFNSpec, RouterSpec
+from epdraft.dispatch.planner import GIB, LINKS, choose_layout
+from epdraft.errors import ConfigError
+
+FIXTURES = "tests/fixtures/configs"
+
+
+def _draft(num_experts: int, intermediate: int, hidden: int, layers: int = 2) -> DraftMixFFNSpec:
+    moe = DraftMoeFFNSpec(router=RouterSpec(num_experts=num_experts, top_k=2), intermediate_size=intermediate)
+    return DraftMixFFNSpec(family="test", hidden_size=hidden, layers=(moe,) * layers)
+
+
+def test_small_experts_over_tcp_stay_replicated():
+    choice = choose_layout(
+        _draft(8, 256, 512), ep=4, tp=1, rows_per_rank=8, link=LINKS["tcp"], mem_bw_gbps=4800, memory_budget_bytes=GIB
+    )
+    assert choice.layout == "replicated"
+    assert choice.estimates[0].comm_us == 0 and choice.reason.startswith("replicated: ")
+    assert {e.label for e in choice.estimates} == {"replicated", "alltoall", "gather (max_len)", "gather (sum_len)"}
+
+
+def test_large_experts_on_nvlink_are_sharded_and_memory_rules_out_replicated():
+    draft = _draft(256, 2048, 4096)
+    budget = 4 * GIB  # 256 x 3 x 2048 x 4096 x 2 B = 12 GiB per layer replicated
+    choice = choose_layout(draft, ep=8, tp=1, rows_per_rank=64, link=LINKS["nvlink"], mem_bw_gbps=4800, memory_budget_bytes=budget)
+    assert choice.layout in ("alltoall", "gather")
+    replicated = next(e for e in choice.estimates if e.layout == "replicated")
+    assert not replicated.fits and replicated.expert_bytes_per_rank == 2 * 12 * GIB
+    assert "replicated over the 4.0 GiB expert budget" in choice.reason
+    assert choice.estimates[0].expert_bytes_per_rank == 2 * 12 * GIB // 8
+
+
+def test_alltoall_is_not_a_candidate_under_moe_tp():
+    choice = choose_layout(
+        _draft(8, 512, 256), ep=1, tp=2, rows_per_rank=4, link=LINKS["tcp"], mem_bw_gbps=20, memory_budget_bytes=GIB
+    )
+    assert "alltoall" not in {e.layout for e in choice.estimates}
+
+
+def test_nothing_fits_names_the_split_and_budget():
+    with pytest.raises(ConfigError, match=r"draft.moe_ep = 2, draft.moe_tp = 1: the smallest expert shard needs 0.4 GiB per rank, over the 0.2 GiB budget"):
+        choose_layout(
+            _draft(8, 4096, 4096, layers=1), ep=2, tp=1, rows_per_rank=4, link=LINKS["ib"], mem_bw_gbps=4800,
+            memory_budget_bytes=GIB // 4,
+        )
+
+
+def test_plan_command_prints_choice_and_estimates(capsys):
+    rc = cli_main(["plan", "configs/h200x8-dp8-ep8.toml", f"{FIXTURES}/deepseek-v4-flash-dspark-moe.json"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "link nvlink: 370 GB/s, 25 us per collective" in out
+    assert "\nchoice: " in out and "\nwhy: " in out
+    for label in ("replicated", "alltoall", "gather (max_len)", "gather (sum_len)"):
+        assert f"\n{label}" in out
