@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from epdraft.config.ffn import ActivationSpec
+from epdraft.kernels import fused_experts
 from epdraft.layers.experts import experts_reference
 from epdraft.loading import ExpertShard
 
@@ -22,6 +23,9 @@ def run_experts(
 ) -> torch.Tensor:
     """The one place RoutedExperts computes: the same contract as `experts_reference`.
 
+    CUDA tensors go through the fused Triton kernels (`epdraft.kernels`), CPU tensors through the
+    reference loop; both are held against each other by tests/gpu/test_fused_moe.py.
+
     Args:
         rows_RH: [R, H] dispatched rows; R may be 0.
         ids_RK: [R, K] int64 local expert ids in [0, e), -1 = skip.
@@ -30,7 +34,8 @@ def run_experts(
     Returns:
         [R, H] in rows' dtype.
     """
-    return experts_reference(rows_RH, ids_RK, weights_RK, w13_eNH, w2_eHF, act, b13_eN, b2_eH)
+    impl = fused_experts if rows_RH.is_cuda else experts_reference
+    return impl(rows_RH, ids_RK, weights_RK, w13_eNH, w2_eHF, act, b13_eN, b2_eH)
 
 
 class RoutedExperts(nn.Module):

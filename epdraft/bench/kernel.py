@@ -1,0 +1,191 @@
+"""`epdraft bench kernel`: fused experts vs torch._grouped_mm vs the reference loop, against the memory roofline.
+
+Every path runs on the same random routing; the fused and grouped_mm paths are timed as CUDA-graph
+replays (median of `triton.testing.do_bench`), the reference loop eagerly (it synchronizes with the
+host). Bytes moved = distinct experts hit x 3*I*H*itemsize + x read + y written; the roofline is
+the 4.3 TB/s a device-to-device copy reaches on one H200. With `--tune`, the listed shapes are
+tuned first and their tables written to `--config-dir`, which the benchmark then reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+from pathlib import Path
+
+import msgspec
+import torch
+
+from epdraft.config.ffn import ActivationSpec
+from epdraft.errors import ConfigError
+from epdraft.kernels.tuning import CONFIG_DIR, config_file_name, get_config, random_routing, save_table, tune
+from epdraft.layers.activations import gated_act
+from epdraft.layers.experts import experts_reference
+
+log = logging.getLogger(__name__)
+
+SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "A": (8, 1536, 4096, 1),
+    "B": (8, 1536, 4096, 2),
+    "C": (128, 2304, 5120, 3),
+    "D": (512, 512, 5120, 10),
+}
+"""Name -> (E experts, I per-expert intermediate, H hidden, k)."""
+
+ROOFLINE_BYTES_PER_S = 4.3e12
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shapes", default="A,B,C,D", help=f"comma list of {', '.join(SHAPES)} (E, I, H, k)")
+    parser.add_argument("--tokens", default="16,128,512,2048", help="comma list of token counts T")
+    parser.add_argument("--tune", default="", metavar="SHAPE", help="comma list of shapes to tune before timing")
+    parser.add_argument("--config-dir", type=Path, default=CONFIG_DIR, help="where tuned tables are read and written")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    parser.add_argument("--json", type=Path, default=None, help="append one JSON line per (shape, T) here")
+
+
+def _parse_shapes(text: str) -> list[str]:
+    names = [s for s in text.split(",") if s]
+    unknown = [s for s in names if s not in SHAPES]
+    if unknown:
+        raise ConfigError(f"--shapes/--tune: unknown shape(s) {unknown}; known: {sorted(SHAPES)}")
+    return names
+
+
+def grouped_mm_experts(x_TH, ids_TK, weights_TK, w13_eNH, w2_eHF, act: ActivationSpec) -> torch.Tensor:
+    """The `torch._grouped_mm` baseline: sort pairs, grouped gate_up, activation, grouped down, weighted scatter-add."""
+    T, K = ids_TK.shape
+    e, N, H = w13_eNH.shape
+    flat = ids_TK.reshape(-1)
+    key = torch.where(flat >= 0, flat, e)  # dropped pairs sort last, past every group
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(e + 1, dtype=torch.int32, device=x_TH.device)
+    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    offs = torch.cumsum(counts[:e], 0, dtype=torch.int32)
+    token = order // K
+    gate_up = torch._grouped_mm(x_TH[token], w13_eNH.transpose(1, 2), offs=offs)
+    h = gated_act(gate_up[:, : N // 2], gate_up[:, N // 2 :], act).to(x_TH.dtype)
+    down = torch._grouped_mm(h, w2_eHF.transpose(1, 2), offs=offs).float()
+    keep = (key[order] < e).unsqueeze(1)
+    contrib = torch.where(keep, down * weights_TK.reshape(-1)[order].float().unsqueeze(1), 0.0)
+    return torch.zeros(T, H, dtype=torch.float32, device=x_TH.device).index_add_(0, token, contrib).to(x_TH.dtype)
+
+
+def _graph_us(fn) -> float:
+    """Median µs of a CUDA-graph replay of `fn` (warmed up eagerly first, on a side stream as capture needs)."""
+    from triton.testing import do_bench
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3
+
+
+def _bench_one(name: str, num_tokens: int, weights: tuple, dtype: torch.dtype, config_dir: Path) -> dict:
+    from triton.testing import do_bench
+
+    from epdraft.kernels.align import align_pairs
+    from epdraft.kernels.fused_moe import fused_experts_with_config
+
+    E, I, H, K = SHAPES[name]
+    w13, w2 = weights
+    device = w13.device
+    gen = torch.Generator(device=device).manual_seed(num_tokens)
+    x = torch.randn(num_tokens, H, device=device, generator=gen).to(dtype)
+    ids, topk_w = random_routing(num_tokens, E, K, device, gen)
+    act = ActivationSpec()
+    config = get_config(E, 2 * I, H, dtype, num_tokens, K, torch.cuda.get_device_name(device), config_dir)
+
+    fused = fused_experts_with_config(x, ids, topk_w, w13, w2, act, None, None, config)
+    ref = experts_reference(x, ids, topk_w, w13, w2, act)
+    grouped = grouped_mm_experts(x, ids, topk_w, w13, w2, act)
+    scale = ref.float().abs().mean().item()
+    err = (fused.float() - ref.float()).abs()
+
+    fused_us = _graph_us(lambda: fused_experts_with_config(x, ids, topk_w, w13, w2, act, None, None, config))
+    align_us = _graph_us(lambda: align_pairs(ids.view(-1), E, config.block_m))
+    grouped_us = _graph_us(lambda: grouped_mm_experts(x, ids, topk_w, w13, w2, act))
+    ref_us = do_bench(lambda: experts_reference(x, ids, topk_w, w13, w2, act), warmup=5, rep=30, return_mode="median")
+    ref_us *= 1e3
+
+    experts_hit = torch.unique(ids).numel()
+    itemsize = w13.element_size()
+    bytes_moved = experts_hit * 3 * I * H * itemsize + 2 * num_tokens * H * itemsize
+    flops = 2 * num_tokens * K * 3 * I * H
+    return {
+        "shape": name,
+        "E": E,
+        "I": I,
+        "H": H,
+        "k": K,
+        "T": num_tokens,
+        "dtype": str(dtype).removeprefix("torch."),
+        "config": msgspec.to_builtins(config),
+        "fused_us": fused_us,
+        "align_us": align_us,
+        "grouped_mm_us": grouped_us,
+        "reference_us": ref_us,
+        "experts_hit": experts_hit,
+        "bytes": bytes_moved,
+        "roofline_pct": 100 * bytes_moved / (fused_us * 1e-6) / ROOFLINE_BYTES_PER_S,
+        "tflops": flops / (fused_us * 1e-6) / 1e12,
+        "speedup_vs_grouped_mm": grouped_us / fused_us,
+        "max_err_rel": err.max().item() / scale,
+        "mean_err_rel": err.mean().item() / scale,
+        "grouped_max_err_rel": (grouped.float() - ref.float()).abs().max().item() / scale,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    import triton
+
+    if not torch.cuda.is_available():
+        raise ConfigError("epdraft bench kernel needs a CUDA device")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    device_name = torch.cuda.get_device_name()
+    for name in _parse_shapes(args.tune):
+        E, I, H, K = SHAPES[name]
+        table = tune(E, I, H, K, dtype, tokens)
+        path = args.config_dir / config_file_name(E, 2 * I, H, dtype, device_name)
+        save_table(table, path)
+        log.info("tuned shape %s -> %s", name, path)
+    meta = {
+        "device": device_name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(),
+    }
+    rows = []
+    header = f"{'shape':>5} {'T':>5} {'fused us':>9} {'align us':>8} {'gmm us':>8} {'ref us':>9} {'bytes MB':>9}"
+    header += f" {'%roof':>6} {'TFLOP/s':>8} {'x gmm':>6} {'max err':>8}"
+    print(header)
+    for name in _parse_shapes(args.shapes):
+        E, I, H, K = SHAPES[name]
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H**-0.5).to(dtype)
+        w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I**-0.5).to(dtype)
+        for num_tokens in tokens:
+            row = {**meta, **_bench_one(name, num_tokens, (w13, w2), dtype, args.config_dir)}
+            rows.append(row)
+            print(
+                f"{name:>5} {num_tokens:>5} {row['fused_us']:>9.1f} {row['align_us']:>8.1f}"
+                f" {row['grouped_mm_us']:>8.1f}"
+                f" {row['reference_us']:>9.1f} {row['bytes'] / 1e6:>9.1f} {row['roofline_pct']:>6.1f}"
+                f" {row['tflops']:>8.1f} {row['speedup_vs_grouped_mm']:>6.2f} {row['max_err_rel']:>8.4f}",
+                flush=True,
+            )
+        del w13, w2
+        torch.cuda.empty_cache()
+    if args.json is not None:
+        with args.json.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return 0

@@ -1,0 +1,237 @@
+"""Fused routed experts on the GPU: the Triton counterpart of `epdraft.layers.experts.experts_reference`.
+
+Four launches, no host synchronization (CUDA-graph safe):
+    align_pairs        pairs sorted by expert into block-padded groups
+    gemm1_act_kernel   h = act(x W13^T + b13) per sorted row (gate and up tiles in one program)
+    gemm2_weight_kernel  w_pair * (h W2^T + b2) per pair (and per split of F)
+    topk_sum_kernel    y[t] = sum over the token's pairs (and splits) in fp32, in a fixed order
+With one choice per row (K = 1, e.g. rows an all-to-all dispatcher delivered) and no split, the
+down GEMM writes y's rows directly and the sum launch is skipped; rows with id -1 stay zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epdraft.config.ffn import ActivationSpec
+from epdraft.errors import ConfigError
+from epdraft.kernels.align import AlignedPairs, align_pairs
+from epdraft.kernels.tuning import DownConfig, MoeKernelConfig, UpConfig, dtype_name, get_config
+
+_TOPK_SUM_BLOCK_H = 1024
+
+
+def _check_inputs(x_TH, ids_TK, weights_TK, w13_eNH, w2_eHF, b13_eN, b2_eH) -> None:
+    """Raise ConfigError naming the tensor whose shape, dtype, device or layout the kernels cannot take."""
+    dtype_name(x_TH.dtype)
+    if not x_TH.is_cuda:
+        raise ConfigError(f"fused_experts: x_TH is on {x_TH.device}, expected a CUDA device")
+    if x_TH.dim() != 2:
+        raise ConfigError(f"fused_experts: x_TH has shape {tuple(x_TH.shape)}, expected [T, H]")
+    T, H = x_TH.shape
+    if w13_eNH.dim() != 3 or w2_eHF.dim() != 3:
+        raise ConfigError(
+            f"fused_experts: w13_eNH {tuple(w13_eNH.shape)} and w2_eHF {tuple(w2_eHF.shape)} must be 3-d"
+        )
+    e, N, _ = w13_eNH.shape
+    F_ = N // 2
+    if ids_TK.dim() != 2 or ids_TK.shape[0] != T:
+        raise ConfigError(f"fused_experts: ids_TK has shape {tuple(ids_TK.shape)}, expected [{T}, K]")
+    expected = {
+        "weights_TK": (weights_TK, tuple(ids_TK.shape)),
+        "w13_eNH": (w13_eNH, (e, 2 * F_, H)),
+        "w2_eHF": (w2_eHF, (e, H, F_)),
+        "b13_eN": (b13_eN, (e, N)),
+        "b2_eH": (b2_eH, (e, H)),
+    }
+    for name, (t, shape) in expected.items():
+        if t is None:
+            continue
+        if tuple(t.shape) != shape:
+            raise ConfigError(f"fused_experts: {name} has shape {tuple(t.shape)}, expected {shape}")
+        if t.device != x_TH.device:
+            raise ConfigError(f"fused_experts: {name} is on {t.device}, x_TH on {x_TH.device}")
+    if ids_TK.dtype.is_floating_point or ids_TK.dtype == torch.bool:
+        raise ConfigError(f"fused_experts: ids_TK must be an integer tensor, got {ids_TK.dtype}")
+    if not weights_TK.dtype.is_floating_point:
+        raise ConfigError(f"fused_experts: weights_TK must be floating point, got {weights_TK.dtype}")
+    for name, t in (("w13_eNH", w13_eNH), ("w2_eHF", w2_eHF)):
+        if t.dtype != x_TH.dtype:
+            raise ConfigError(f"fused_experts: {name} is {t.dtype}, x_TH is {x_TH.dtype}; they must match")
+        if not t.is_contiguous():
+            raise ConfigError(f"fused_experts: {name} must be contiguous (strides {t.stride()})")
+
+
+def fused_experts(
+    x_TH: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    w13_eNH: torch.Tensor,
+    w2_eHF: torch.Tensor,
+    act: ActivationSpec,
+    b13_eN: torch.Tensor | None = None,
+    b2_eH: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y[t] = sum_j w[t,j] * (down_e(act(gate_e x, up_e x)) + b2_e) over pairs with e = ids[t,j] >= 0.
+
+    Same contract as `experts_reference`: x_TH [T, H] bf16/fp16 on CUDA (any strides), ids_TK [T, K]
+    int local expert ids (-1 = skip; ids >= e are skipped too), weights_TK [T, K] float,
+    w13_eNH [e, 2F, H] and w2_eHF [e, H, F] contiguous in x's dtype, b13_eN [e, 2F], b2_eH [e, H].
+    Returns [T, H] in x's dtype, each row's pairs summed in fp32 in a fixed order (deterministic).
+    Launch tiles come from `epdraft.kernels.tuning.get_config`.
+
+    Raises:
+        ConfigError: a tensor with the wrong shape, dtype, device or layout (the message names it).
+    """
+    _check_inputs(x_TH, ids_TK, weights_TK, w13_eNH, w2_eHF, b13_eN, b2_eH)
+    e, N, H = w13_eNH.shape
+    T, K = ids_TK.shape
+    config = get_config(e, N, H, x_TH.dtype, T, K, torch.cuda.get_device_name(x_TH.device))
+    return fused_experts_with_config(x_TH, ids_TK, weights_TK, w13_eNH, w2_eHF, act, b13_eN, b2_eH, config)
+
+
+def fused_experts_with_config(
+    x_TH: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    w13_eNH: torch.Tensor,
+    w2_eHF: torch.Tensor,
+    act: ActivationSpec,
+    b13_eN: torch.Tensor | None,
+    b2_eH: torch.Tensor | None,
+    config: MoeKernelConfig,
+) -> torch.Tensor:
+    """`fused_experts` with an explicit launch config and no input checks (the tuner and benchmarks)."""
+    T, H = x_TH.shape
+    if T == 0:
+        return x_TH.new_zeros(0, H)
+    ids_TK = ids_TK.contiguous()
+    aligned = align_pairs(ids_TK.view(-1), w13_eNH.shape[0], config.block_m)
+    h_MF = up_act(x_TH, aligned, w13_eNH, b13_eN, act, config.up)
+    return down_combine(h_MF, aligned, ids_TK, weights_TK.contiguous(), w2_eHF, b2_eH, config.down)
+
+
+def up_act(
+    x_TH: torch.Tensor,
+    aligned: AlignedPairs,
+    w13_eNH: torch.Tensor,
+    b13_eN: torch.Tensor | None,
+    act: ActivationSpec,
+    up: UpConfig,
+) -> torch.Tensor:
+    """h_MF [max_rows, F] in x's dtype: the activated gate/up product of every sorted row (padding rows hold junk)."""
+    from epdraft.kernels._triton import ACT_SWIGLU, ACT_SWIGLUOAI, gemm1_act_kernel
+
+    T, H = x_TH.shape
+    e, N, _ = w13_eNH.shape
+    F_ = N // 2
+    h_MF = torch.empty(aligned.sorted_pairs_M.shape[0], F_, dtype=x_TH.dtype, device=x_TH.device)
+    grid = (aligned.max_blocks * _cdiv(F_, up.block_n),)
+    gemm1_act_kernel[grid](
+        x_TH,
+        w13_eNH,
+        b13_eN if b13_eN is not None else w13_eNH,
+        h_MF,
+        aligned.sorted_pairs_M,
+        aligned.block_expert_B,
+        aligned.num_padded_1,
+        aligned.num_pairs,
+        aligned.max_blocks,
+        F_,
+        H,
+        x_TH.stride(0),
+        x_TH.stride(1),
+        w13_eNH.stride(0),
+        w13_eNH.stride(1),
+        b13_eN.stride(0) if b13_eN is not None else 0,
+        h_MF.stride(0),
+        float(act.limit),
+        float(act.alpha),
+        TOP_K=aligned.num_pairs // T,
+        ACT=ACT_SWIGLU if act.kind == "swiglu" else ACT_SWIGLUOAI,
+        HAS_LIMIT=act.limit > 0,
+        HAS_BIAS=b13_eN is not None,
+        EVEN_K=H % up.block_k == 0,
+        BLOCK_M=aligned.block_m,
+        BLOCK_N=up.block_n,
+        BLOCK_K=up.block_k,
+        num_warps=up.num_warps,
+        num_stages=up.num_stages,
+    )
+    return h_MF
+
+
+def down_combine(
+    h_MF: torch.Tensor,
+    aligned: AlignedPairs,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    w2_eHF: torch.Tensor,
+    b2_eH: torch.Tensor | None,
+    down: DownConfig,
+) -> torch.Tensor:
+    """y_TH: the weighted down projection of every pair, summed per token (ids_TK, weights_TK contiguous)."""
+    from epdraft.kernels._triton import gemm2_weight_kernel, topk_sum_kernel
+
+    T, K = ids_TK.shape
+    e, H, F_ = w2_eHF.shape
+    direct = K == 1 and down.split_k == 1
+    if direct:
+        # one pair per row: rows are written in place, a dropped (-1) row must read as zero
+        y_TH = torch.zeros(T, H, dtype=h_MF.dtype, device=h_MF.device)
+        out = y_TH.view(1, T, H)
+    else:
+        # fp32 partials when split: each split's share is rounded once, at the end
+        out_dtype = torch.float32 if down.split_k > 1 else h_MF.dtype
+        out = torch.empty(down.split_k, T * K, H, dtype=out_dtype, device=h_MF.device)
+    grid = (aligned.max_blocks * _cdiv(H, down.block_n) * down.split_k,)
+    gemm2_weight_kernel[grid](
+        h_MF,
+        w2_eHF,
+        b2_eH if b2_eH is not None else w2_eHF,
+        out,
+        aligned.sorted_pairs_M,
+        aligned.block_expert_B,
+        aligned.num_padded_1,
+        weights_TK,
+        aligned.num_pairs,
+        aligned.max_blocks,
+        H,
+        F_,
+        h_MF.stride(0),
+        w2_eHF.stride(0),
+        w2_eHF.stride(1),
+        b2_eH.stride(0) if b2_eH is not None else 0,
+        out.stride(0),
+        out.stride(1),
+        HAS_BIAS=b2_eH is not None,
+        SPLIT_K=down.split_k,
+        EVEN_K=F_ % (down.block_k * down.split_k) == 0,
+        BLOCK_M=aligned.block_m,
+        BLOCK_N=down.block_n,
+        BLOCK_K=down.block_k,
+        num_warps=down.num_warps,
+        num_stages=down.num_stages,
+    )
+    if direct:
+        return y_TH
+    y_TH = torch.empty(T, H, dtype=h_MF.dtype, device=h_MF.device)
+    topk_sum_kernel[(T, _cdiv(H, _TOPK_SUM_BLOCK_H))](
+        out,
+        ids_TK,
+        y_TH,
+        H,
+        e,
+        out.stride(0),
+        out.stride(1),
+        y_TH.stride(0),
+        TOP_K=K,
+        SPLIT_K=down.split_k,
+        BLOCK_H=_TOPK_SUM_BLOCK_H,
+        num_warps=4,
+    )
+    return y_TH
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,241 @@
+"""Launch configs of the fused experts: per-shape JSON tables, the default, and the tuner.
+
+A table is one file per (E, N, K, dtype, device) in `epdraft/kernels/configs/`, named like
+`E=8,N=3072,K=4096,dtype=bf16,device=NVIDIA_H200.json` (N = 2F rows of w13, K = H), mapping a
+row count M = T * top_k (token-expert pairs: the rows the GEMMs see, so one table serves every
+top-k of the shape) to a `MoeKernelConfig`; a lookup takes the entry of the nearest M. Without a
+file the documented default runs and one warning names the missing file: the speed differs, the
+output does not. Tables are Triton-version specific; re-tune after upgrading Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Annotated, Callable
+
+import msgspec
+import torch
+
+from epdraft.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_SMEM_BYTES = 200 * 1024  # H100/H200 allow 227 KB per block; leave room for Triton's own scratch
+
+Pow2 = Annotated[int, msgspec.Meta(ge=16, le=512)]
+
+
+class UpConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Tiles of the gate/up GEMM (+ activation). block_n counts gate columns; up columns match."""
+
+    block_n: Pow2
+    block_k: Pow2
+    num_warps: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
+    num_stages: Annotated[int, msgspec.Meta(ge=1, le=8)] = 3
+
+
+class DownConfig(UpConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Tiles of the down GEMM; `split_k` > 1 splits F across programs (partials summed in order)."""
+
+    split_k: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+
+
+class MoeKernelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One launch config: rows per block (shared by routing setup and both GEMMs) and each GEMM's tiles."""
+
+    block_m: Pow2
+    up: UpConfig
+    down: DownConfig
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    if dtype not in _DTYPE_NAMES:
+        raise ConfigError(f"fused experts support bf16 and fp16, got {dtype}")
+    return _DTYPE_NAMES[dtype]
+
+
+def config_file_name(num_experts: int, n: int, k: int, dtype: torch.dtype, device_name: str) -> str:
+    """File name of the table for experts w13 [num_experts, n, k] in `dtype` on `device_name`."""
+    device = device_name.replace(" ", "_")
+    return f"E={num_experts},N={n},K={k},dtype={dtype_name(dtype)},device={device}.json"
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int) -> MoeKernelConfig:
+    """The config used without a table: block rows near the mean rows per expert, mid-size tiles.
+
+    Small batches stream weights (memory-bound): narrow N tiles give more programs than SMs.
+    """
+    rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+    if rows_per_expert <= 16:
+        return MoeKernelConfig(
+            block_m=16,
+            up=UpConfig(block_n=32, block_k=256, num_warps=4, num_stages=4),
+            down=DownConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=1),
+        )
+    if rows_per_expert <= 64:
+        return MoeKernelConfig(
+            block_m=32,
+            up=UpConfig(block_n=64, block_k=128, num_warps=4, num_stages=4),
+            down=DownConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=1),
+        )
+    return MoeKernelConfig(
+        block_m=64,
+        up=UpConfig(block_n=64, block_k=64, num_warps=4, num_stages=4),
+        down=DownConfig(block_n=128, block_k=64, num_warps=4, num_stages=4, split_k=1),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(path: Path) -> dict[int, MoeKernelConfig] | None:
+    """Read one table (cached); None and one warning if the file is missing; ConfigError if malformed."""
+    if not path.is_file():
+        log.warning("no tuned fused-experts config %s: using the default config (slower, same output)", path)
+        return None
+    try:
+        table = msgspec.json.decode(path.read_bytes(), type=dict[int, MoeKernelConfig])
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{path}: {e}") from e
+    except msgspec.DecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from e
+    if not table:
+        raise ConfigError(f"{path}: empty table, expected token counts mapped to configs")
+    return table
+
+
+def get_config(
+    num_experts: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    num_tokens: int,
+    top_k: int,
+    device_name: str,
+    config_dir: Path = CONFIG_DIR,
+) -> MoeKernelConfig:
+    """Config of the nearest tuned row count M = T * top_k (ties: the smaller); the default without a table."""
+    table = load_table(config_dir / config_file_name(num_experts, n, k, dtype, device_name))
+    if table is None:
+        return default_config(num_tokens, top_k, num_experts)
+    rows = num_tokens * top_k
+    return table[min(table, key=lambda m: (abs(m - rows), m))]
+
+
+def save_table(table: dict[int, MoeKernelConfig], path: Path) -> None:
+    """Merge `table` into the file at `path` (new entries win), written sorted and indented (diffable)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    merged = {**(load_table(path) or {}), **table} if path.is_file() else table
+    ordered = {str(m): merged[m] for m in sorted(merged)}
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(ordered), indent=2) + b"\n")
+    load_table.cache_clear()
+
+
+def _smem_fits(block_m: int, block_n: int, block_k: int, stages: int, b_tiles: int) -> bool:
+    return stages * (block_m * block_k + b_tiles * block_n * block_k) * 2 <= _SMEM_BYTES
+
+
+def block_m_candidates(num_tokens: int, top_k: int, num_experts: int) -> list[int]:
+    """The two largest block sizes up to twice the mean rows per expert (16 at least).
+
+    Half-empty 64-row blocks still win once the GEMM is compute-bound: they use Hopper's wgmma.
+    """
+    mean_rows = num_tokens * top_k / num_experts
+    sizes = [bm for bm in (16, 32, 64, 128) if bm == 16 or bm <= 2 * mean_rows]
+    return sizes[-2:]
+
+
+def up_candidates(block_m: int) -> list[UpConfig]:
+    tiles = [(32, 128), (32, 256), (64, 64), (64, 128), (128, 64)]
+    return [
+        UpConfig(block_n=bn, block_k=bk, num_warps=8 if bn * block_m >= 64 * 64 else 4, num_stages=s)
+        for bn, bk in tiles
+        for s in (3, 4)
+        if _smem_fits(block_m, bn, bk, s, 2)
+    ]
+
+
+def down_candidates(block_m: int, allow_split: bool) -> list[DownConfig]:
+    tiles = [(64, 128), (128, 64), (128, 128), (256, 64)]
+    return [
+        DownConfig(block_n=bn, block_k=bk, num_warps=8 if bn * block_m >= 64 * 64 else 4, num_stages=s, split_k=sk)
+        for bn, bk in tiles
+        for s in (3, 4)
+        for sk in ((1, 2, 4) if allow_split else (1,))
+        if _smem_fits(block_m, bn, bk, s, 1)
+    ]
+
+
+def fastest(candidates: list, time_us: Callable[[object], float]) -> tuple[object, float]:
+    """The candidate with the least time; candidates that fail to compile (too many resources) are skipped."""
+    from triton.runtime.errors import OutOfResources
+
+    best, best_us = None, float("inf")
+    for cand in candidates:
+        try:
+            us = time_us(cand)
+        except OutOfResources:
+            continue
+        if us < best_us:
+            best, best_us = cand, us
+    if best is None:
+        raise ConfigError(f"no candidate config compiled (first: {candidates[:1]})")
+    return best, best_us
+
+
+def random_routing(num_tokens: int, num_experts: int, top_k: int, device: torch.device, generator=None):
+    """Distinct uniformly random experts per token and softmax weights: (ids_TK int64, weights_TK fp32)."""
+    scores = torch.rand(num_tokens, num_experts, device=device, generator=generator)
+    ids_TK = scores.topk(top_k, dim=-1).indices
+    weights_TK = torch.softmax(torch.randn(num_tokens, top_k, device=device, generator=generator), dim=-1)
+    return ids_TK, weights_TK
+
+
+def tune(
+    num_experts: int, intermediate: int, hidden: int, top_k: int, dtype: torch.dtype, tokens: list[int]
+) -> dict[int, MoeKernelConfig]:
+    """Search block rows, then the up and down GEMM tiles apart (they do not interact), per token count.
+
+    Returns the table keyed by row count M = T * top_k.
+
+    Times each candidate with `triton.testing.do_bench` (median) on random routing and the current
+    CUDA device; the fastest up + down pair per block size wins.
+    """
+    from triton.testing import do_bench
+
+    from epdraft.config.ffn import ActivationSpec
+    from epdraft.kernels.align import align_pairs
+    from epdraft.kernels.fused_moe import down_combine, up_act
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=device).manual_seed(0)
+    w13 = (torch.randn(num_experts, 2 * intermediate, hidden, device=device, generator=gen) * hidden**-0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, intermediate, device=device, generator=gen) * intermediate**-0.5).to(dtype)
+    act = ActivationSpec()
+
+    def bench_us(fn) -> float:
+        return do_bench(fn, warmup=5, rep=20, return_mode="median") * 1e3
+
+    table: dict[int, MoeKernelConfig] = {}
+    for num_tokens in tokens:
+        x = torch.randn(num_tokens, hidden, device=device, generator=gen).to(dtype)
+        ids, weights = random_routing(num_tokens, num_experts, top_k, device, gen)
+        best_us = float("inf")
+        for block_m in block_m_candidates(num_tokens, top_k, num_experts):
+            aligned = align_pairs(ids.view(-1), num_experts, block_m)
+            up, up_us = fastest(
+                up_candidates(block_m), lambda c: bench_us(lambda: up_act(x, aligned, w13, None, act, c))
+            )
+            h = up_act(x, aligned, w13, None, act, up)
+            allow_split = num_tokens * top_k <= 64 * num_experts
+            down, down_us = fastest(
+                down_candidates(block_m, allow_split),
+                lambda c: bench_us(lambda: down_combine(h, aligned, ids, weights, w2, None, c)),
+            )
+            log.info("T=%d block_m=%d: up %.1f us %s, down %.1f us %s", num_tokens, block_m, up_us, up, down_us, down)
+            if up_us + down_us < best_us:
+                best_us = up_us + down_us
+                table[num_tokens * top_k] = MoeKernelConfig(block_m=block_m, up=up, down=down)
+    return table

@@ -1,0 +1,105 @@
+"""Launch-config tables: file naming, nearest-token lookup, the default and its one warning (CPU only)."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import pytest
+import torch
+
+from epdraft.errors import ConfigError
+from epdraft.kernels import tuning
+from epdraft.kernels.tuning import DownConfig, MoeKernelConfig, UpConfig
+
+
+def cfg(block_m: int) -> MoeKernelConfig:
+    return MoeKernelConfig(
+        block_m=block_m,
+        up=UpConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),
+        down=DownConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_k=2),
+    )
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    tuning.load_table.cache_clear()
+    yield
+    tuning.load_table.cache_clear()
+
+
+def test_file_name():
+    name = tuning.config_file_name(8, 3072, 4096, torch.bfloat16, "NVIDIA H200")
+    assert name == "E=8,N=3072,K=4096,dtype=bf16,device=NVIDIA_H200.json"
+    with pytest.raises(ConfigError, match="bf16 and fp16"):
+        tuning.config_file_name(8, 3072, 4096, torch.float32, "NVIDIA H200")
+
+
+def test_nearest_token_count(tmp_path):
+    path = tmp_path / tuning.config_file_name(8, 64, 32, torch.float16, "Dev X")
+    tuning.save_table({16: cfg(16), 128: cfg(32), 2048: cfg(64)}, path)
+    lookup = lambda t: tuning.get_config(8, 64, 32, torch.float16, t, 1, "Dev X", tmp_path).block_m  # noqa: E731
+    assert [lookup(t) for t in (1, 16, 71, 72, 73, 1000, 1088, 1089, 10**6)] == [16, 16, 16, 16, 32, 32, 32, 64, 64]
+    assert tuning.get_config(8, 64, 32, torch.float16, 128, 1, "Dev X", tmp_path) == cfg(32)
+    # keyed by rows M = T * top_k: 64 tokens at top-2 are the 128-row entry
+    assert tuning.get_config(8, 64, 32, torch.float16, 64, 2, "Dev X", tmp_path) == cfg(32)
+
+
+def test_saved_table_round_trips_and_merges(tmp_path):
+    path = tmp_path / "t.json"
+    tuning.save_table({512: cfg(64), 16: cfg(16)}, path)
+    raw = msgspec.json.decode(path.read_bytes())
+    assert list(raw) == ["16", "512"]
+    assert raw["512"]["down"]["split_k"] == 2
+    assert tuning.load_table(path) == {16: cfg(16), 512: cfg(64)}
+    tuning.save_table({512: cfg(128), 32: cfg(32)}, path)
+    assert tuning.load_table(path) == {16: cfg(16), 32: cfg(32), 512: cfg(128)}
+
+
+def test_missing_file_warns_once_and_uses_default(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="epdraft.kernels.tuning"):
+        first = tuning.get_config(8, 3072, 4096, torch.bfloat16, 16, 1, "Dev Y", tmp_path)
+        second = tuning.get_config(8, 3072, 4096, torch.bfloat16, 2048, 1, "Dev Y", tmp_path)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "E=8,N=3072,K=4096,dtype=bf16,device=Dev_Y.json" in warnings[0].getMessage()
+    assert first == tuning.default_config(16, 1, 8)
+    assert second == tuning.default_config(2048, 1, 8)
+
+
+def test_default_block_rows_follow_rows_per_expert():
+    assert tuning.default_config(16, 1, 8).block_m == 16
+    assert tuning.default_config(512, 1, 8).block_m == 32
+    assert tuning.default_config(2048, 2, 8).block_m == 64
+    assert tuning.default_config(2048, 10, 512).block_m == 32
+
+
+def test_malformed_tables_name_the_file(tmp_path):
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{not json")
+    with pytest.raises(ConfigError, match="bad.json: not valid JSON"):
+        tuning.load_table(bad_json)
+    bad_value = tmp_path / "value.json"
+    tiles = '{"block_n": 64, "block_k": 64}'
+    bad_value.write_text(f'{{"16": {{"block_m": 8, "up": {tiles}, "down": {tiles}}}}}')
+    with pytest.raises(ConfigError, match=r"value.json: .*block_m"):
+        tuning.load_table(bad_value)
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    with pytest.raises(ConfigError, match="empty table"):
+        tuning.load_table(empty)
+
+
+def test_block_m_candidates():
+    assert tuning.block_m_candidates(16, 1, 8) == [16]
+    assert tuning.block_m_candidates(128, 1, 8) == [16, 32]
+    assert tuning.block_m_candidates(2048, 10, 512) == [32, 64]
+    assert tuning.block_m_candidates(2048, 2, 8) == [64, 128]
+
+
+def test_candidates_fit_shared_memory():
+    for block_m in (16, 32, 64, 128):
+        for c in tuning.up_candidates(block_m):
+            assert c.num_stages * (block_m + 2 * c.block_n) * c.block_k * 2 <= 200 * 1024
+        for c in tuning.down_candidates(block_m, allow_split=True):
+            assert c.num_stages * (block_m + c.block_n) * c.block_k * 2 <= 200 * 1024
