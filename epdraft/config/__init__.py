@@ -8,12 +8,30 @@ from epdraft.config.ffn import (
     FFNSpec,
     RouterSpec,
 )
+from epdraft.config.parallel import (
+    ClusterConfig,
+    DraftConfig,
+    ParallelConfig,
+    PlacementConfig,
+    TargetConfig,
+    apply_overrides,
+    load_parallel_config,
+    parallel_config_from_dict,
+)
 
 __all__ = [
     "ActivationSpec",
+    "ClusterConfig",
+    "DraftConfig",
     "DraftDenseFFNSpec",
     "DraftMixFFNSpec",
     "DraftMoeFFNSpec",
     "FFNSpec",
+    "ParallelConfig",
+    "PlacementConfig",
     "RouterSpec",
+    "TargetConfig",
+    "apply_overrides",
+    "load_parallel_config",
+    "parallel_config_from_dict",
 ]

@@ -1,0 +1,342 @@
+"""ParallelConfig: how the draft (and the target beside it) is laid out over nodes and ranks.
+
+One file (TOML, YAML or JSON) per deployment, e.g. `configs/h200x8-dp8-ep8.toml`:
+
+    [cluster]                  [draft]                       [target]     [placement]
+    nnodes = 1                 attn_dp = 8                   tp = 8       mode = "colocated"
+    nproc_per_node = 8         moe_layout = "alltoall"       dp = 1
+    device = "cuda"            moe_ep = 8
+
+Everything is checked here, once, at load: later code trusts the Struct. Every error is a
+`ConfigError` naming the file, the key path as the user typed it (`draft.moe_ep`), the value and
+what was expected. CLI overrides (`--set draft.moe_ep=2`) use the same key paths.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Iterable, Literal
+
+import msgspec
+import yaml
+
+from epdraft.errors import ConfigError
+
+_CUDA_A2A_BACKENDS = ("deepep", "mooncake")
+
+
+class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The machines: `nnodes x nproc_per_node` ranks, one accelerator (or CPU process) each."""
+
+    nnodes: Annotated[int, msgspec.Meta(ge=1, description="number of nodes (hosts)")]
+    nproc_per_node: Annotated[int, msgspec.Meta(ge=1, description="ranks per node, one GPU each")]
+    device: Literal["cuda", "cpu", "auto"] = "auto"
+    backend: Literal["nccl", "gloo", "auto"] = "auto"
+    timeout_s: Annotated[
+        float, msgspec.Meta(gt=0, description="bound on rendezvous, process-group init and every collective")
+    ] = 600.0
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+class DraftConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The draft: data-parallel attention on every draft rank, MoE laid out by `moe_layout`."""
+
+    attn_dp: Annotated[int, msgspec.Meta(ge=1, description="attention DP degree = number of draft ranks")]
+    moe_layout: Literal["replicated", "alltoall", "gather", "auto"] = "replicated"
+    moe_ep: Annotated[int, msgspec.Meta(ge=1, description="ranks sharing one copy of the experts (by expert)")] = 1
+    moe_tp: Annotated[int, msgspec.Meta(ge=1, description="slices of each expert's intermediate dim")] = 1
+    a2a_backend: Literal["torch", "deepep", "mooncake"] = "torch"
+    dp_padding: Literal["max_len", "sum_len"] = "max_len"
+
+    @property
+    def moe_group_size(self) -> int:
+        """Ranks holding one full copy of the experts: moe_ep x moe_tp."""
+        return self.moe_ep * self.moe_tp
+
+    @property
+    def moe_dp(self) -> int:
+        """How many full copies of the experts the draft ranks hold."""
+        return self.attn_dp // self.moe_group_size
+
+
+class TargetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What the target runs: the host engine's layout (the standalone runner uses tp = 1)."""
+
+    dp: Annotated[int, msgspec.Meta(ge=1, description="target data-parallel degree; tp x dp = target ranks")]
+    tp: Annotated[int, msgspec.Meta(ge=1, description="target tensor-parallel degree")] = 1
+
+
+class PlacementConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Whether the draft shares ranks with the target or has nodes of its own."""
+
+    mode: Literal["colocated", "disaggregated"] = "colocated"
+    draft_nodes: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=0)], ...],
+        msgspec.Meta(description="node indices holding the draft when disaggregated"),
+    ] = ()
+    transfer: Literal["torch", "mooncake"] = "torch"
+
+
+class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The whole layout; validated across sections on construction."""
+
+    cluster: ClusterConfig
+    draft: DraftConfig
+    target: TargetConfig
+    placement: PlacementConfig = PlacementConfig()
+
+    def __post_init__(self) -> None:
+        _check_cluster(self)
+        _check_placement(self)
+        _check_draft(self)
+        if self.target.tp * self.target.dp != self.target_world_size:
+            raise ConfigError(
+                f"target.tp x target.dp = {self.target.tp} x {self.target.dp} must equal the target world size "
+                f"{self.target_world_size} ({self._describe_ranks(self.target_ranks)})"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.world_size
+
+    @property
+    def draft_nodes(self) -> tuple[int, ...]:
+        """Node indices holding the draft, ascending (every node when colocated)."""
+        if self.placement.mode == "colocated":
+            return tuple(range(self.cluster.nnodes))
+        return tuple(sorted(self.placement.draft_nodes))
+
+    @property
+    def draft_ranks(self) -> tuple[int, ...]:
+        """Global ranks holding the draft, ascending; the device mesh is laid over them in this order."""
+        n = self.cluster.nproc_per_node
+        return tuple(node * n + local for node in self.draft_nodes for local in range(n))
+
+    @property
+    def target_ranks(self) -> tuple[int, ...]:
+        """Global ranks running the target (all of them when colocated)."""
+        if self.placement.mode == "colocated":
+            return tuple(range(self.world_size))
+        draft = set(self.draft_ranks)
+        return tuple(r for r in range(self.world_size) if r not in draft)
+
+    @property
+    def draft_world_size(self) -> int:
+        return len(self.draft_ranks)
+
+    @property
+    def target_world_size(self) -> int:
+        return len(self.target_ranks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain data (what rank 0 logs and saves with the outputs)."""
+        return msgspec.to_builtins(self)
+
+    def _describe_ranks(self, ranks: tuple[int, ...]) -> str:
+        nodes = len(ranks) // self.cluster.nproc_per_node
+        return f"{nodes} node(s) x cluster.nproc_per_node = {self.cluster.nproc_per_node}"
+
+
+def _check_cluster(pc: ParallelConfig) -> None:
+    c = pc.cluster
+    if c.device == "cpu" and c.backend == "nccl":
+        raise ConfigError("cluster.backend = 'nccl' needs CUDA but cluster.device = 'cpu'; use 'gloo' or 'auto'")
+    if c.device == "cpu" and pc.draft.a2a_backend in _CUDA_A2A_BACKENDS:
+        raise ConfigError(
+            f"draft.a2a_backend = {pc.draft.a2a_backend!r} needs CUDA but cluster.device = 'cpu'; use 'torch'"
+        )
+
+
+def _check_placement(pc: ParallelConfig) -> None:
+    p = pc.placement
+    if p.mode == "colocated":
+        if p.draft_nodes:
+            raise ConfigError(
+                f"placement.draft_nodes = {list(p.draft_nodes)} only applies to placement.mode = 'disaggregated'; "
+                "a colocated draft runs on every node"
+            )
+        if p.transfer != "torch":
+            raise ConfigError(
+                f"placement.transfer = {p.transfer!r} only applies to placement.mode = 'disaggregated'; "
+                "a colocated draft reads the target's features in place"
+            )
+        return
+    if not p.draft_nodes:
+        raise ConfigError("placement.draft_nodes = [] must list the nodes holding the draft when disaggregated")
+    for i, node in enumerate(p.draft_nodes):
+        if node >= pc.cluster.nnodes:
+            raise ConfigError(
+                f"placement.draft_nodes[{i}] = {node} is not a node index in [0, cluster.nnodes = {pc.cluster.nnodes})"
+            )
+    if len(set(p.draft_nodes)) != len(p.draft_nodes):
+        raise ConfigError(f"placement.draft_nodes = {list(p.draft_nodes)} lists a node twice")
+    if len(p.draft_nodes) == pc.cluster.nnodes:
+        raise ConfigError(
+            f"placement.draft_nodes = {list(p.draft_nodes)} leaves no node for the target; "
+            "use placement.mode = 'colocated' to run both on every node"
+        )
+    if p.transfer == "mooncake" and importlib.util.find_spec("mooncake") is None:
+        raise ConfigError(
+            "placement.transfer = 'mooncake' needs the Mooncake transfer engine: pip install 'epdraft[mooncake]'"
+        )
+
+
+def _check_draft(pc: ParallelConfig) -> None:
+    d = pc.draft
+    if d.attn_dp != pc.draft_world_size:
+        raise ConfigError(
+            f"draft.attn_dp = {d.attn_dp} must equal the draft world size {pc.draft_world_size} "
+            f"({pc._describe_ranks(pc.draft_ranks)})"
+        )
+    if d.moe_layout == "replicated":
+        for key, value in (("moe_ep", d.moe_ep), ("moe_tp", d.moe_tp)):
+            if value != 1:
+                raise ConfigError(
+                    f"draft.{key} = {value} must be 1 with draft.moe_layout = 'replicated' "
+                    "(every rank holds every expert); use 'alltoall' or 'gather' to shard them"
+                )
+    if d.moe_layout == "alltoall" and d.moe_tp != 1:
+        raise ConfigError(f"draft.moe_tp = {d.moe_tp}: alltoall supports moe_tp = 1; use gather for expert-TP")
+    if d.attn_dp % d.moe_group_size != 0:
+        key, value = ("draft.moe_tp", d.moe_tp) if d.moe_ep == 1 else ("draft.moe_ep", d.moe_ep)
+        raise ConfigError(
+            f"{key} = {value}: draft.moe_ep x draft.moe_tp = {d.moe_ep} x {d.moe_tp} = {d.moe_group_size} "
+            f"must divide draft.attn_dp = {d.attn_dp}"
+        )
+    if d.a2a_backend in _CUDA_A2A_BACKENDS and d.moe_layout != "alltoall":
+        raise ConfigError(
+            f"draft.a2a_backend = {d.a2a_backend!r} only applies to draft.moe_layout = 'alltoall' "
+            f"(got {d.moe_layout!r}); use 'torch'"
+        )
+
+
+# Loading: file -> dict -> overrides -> msgspec.convert, so every failure becomes a ConfigError with a key path.
+
+_MSGSPEC_PATH = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_UNKNOWN = re.compile(r"Object contains unknown field `(?P<key>[^`]+)`")
+_MISSING = re.compile(r"Object missing required field `(?P<key>[^`]+)`")
+
+
+def load_parallel_config(path: str | Path, overrides: Iterable[str] = ()) -> ParallelConfig:
+    """Read a ParallelConfig from `.toml`, `.yaml`/`.yml` or `.json`, apply `--set` overrides, validate.
+
+    Raises ConfigError naming the file (and the overrides), the key path, the value and the expectation.
+    """
+    path = Path(path)
+    overrides = list(overrides)
+    raw = _read_file(path)
+    source = str(path) + (f" (with --set {' '.join(overrides)})" if overrides else "")
+    return parallel_config_from_dict(apply_overrides(raw, overrides), source=source)
+
+
+def parallel_config_from_dict(d: dict[str, Any], source: str = "<dict>") -> ParallelConfig:
+    """Validate plain data (as read from a file) into a ParallelConfig; errors name `source`."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: expected a table of sections (cluster, draft, target, placement), got {d!r}")
+    try:
+        return msgspec.convert(d, ParallelConfig)
+    except msgspec.ValidationError as e:
+        if isinstance(e.__cause__, ConfigError):
+            raise ConfigError(f"{source}: {e.__cause__}") from e.__cause__
+        raise ConfigError(f"{source}: {_explain(str(e), d)}") from e
+
+
+def apply_overrides(d: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Return a copy of `d` with each `section.key=value` set; the value is parsed as a TOML value
+    (`2`, `true`, `[1]`, `"x"`), falling back to the bare string (`gather`)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) != 2 or not all(parts):
+            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. draft.moe_ep=2")
+        section, name = parts
+        table = out.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"--set {item!r}: {section} is {table!r}, not a table")
+        table[name] = _parse_value(text.strip())
+    return out
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    suffix = path.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml", ".json"):
+        raise ConfigError(f"{path}: unknown config format {suffix!r}; expected .toml, .yaml, .yml or .json")
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the parallel config: {e.strerror}") from e
+    try:
+        if suffix == ".toml":
+            data = tomllib.loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: not valid {suffix.lstrip('.').upper()}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a table of sections (cluster, draft, target, placement), got {data!r}")
+    return data
+
+
+def _explain(message: str, d: dict[str, Any]) -> str:
+    """Turn msgspec's `Expected int >= 1 - at $.draft.moe_ep` into `draft.moe_ep = 0: expected int >= 1`."""
+    m = _MSGSPEC_PATH.match(message)
+    what, path = m.group("what"), (m.group("path") or "").lstrip(".")
+    if u := _UNKNOWN.match(what):
+        key = _join(path, u.group("key"))
+        return f"{key}: unknown key; valid keys in {path or 'the file'}: {', '.join(_field_names(path))}"
+    if miss := _MISSING.match(what):
+        return f"{_join(path, miss.group('key'))}: required key is missing"
+    value = _lookup(d, path)
+    expected = what[0].lower() + what[1:]
+    if what.startswith("Invalid enum value"):
+        expected = "expected one of " + ", ".join(repr(v) for v in _literal_values(path))
+    return f"{path} = {value!r}: {expected}"
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _split(path: str) -> list[str | int]:
+    return [int(p) if p.isdigit() else p for p in re.findall(r"[^.\[\]]+", path)]
+
+
+def _lookup(d: Any, path: str) -> Any:
+    for part in _split(path):
+        d = d[part]
+    return d
+
+
+def _type_at(path: str) -> msgspec.inspect.Type:
+    t: msgspec.inspect.Type = msgspec.inspect.type_info(ParallelConfig)
+    for part in _split(path):
+        if isinstance(part, int):
+            t = t.item_type
+        else:
+            t = next(f.type for f in t.fields if f.name == part)
+    return t
+
+
+def _field_names(path: str) -> list[str]:
+    return [f.name for f in _type_at(path).fields]
+
+
+def _literal_values(path: str) -> tuple[Any, ...]:
+    return tuple(_type_at(path).values)

@@ -1,0 +1,96 @@
+"""`python -m epdraft.worker --config CONFIG [--set k=v ...]`: one rank of a draft deployment.
+
+torchrun (built by `epdraft launch`) starts one of these per rank. It loads the parallel config,
+initializes the process group bounded by `cluster.timeout_s`, builds the Groups, logs the layout
+from rank 0, checks every group with an all-reduce and tears the process group down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from epdraft.config.parallel import ParallelConfig, load_parallel_config
+from epdraft.errors import EpdraftError, ParallelError
+from epdraft.worker.groups import Groups, layout_table, resolve_backend
+from epdraft.worker.health import check_all_reduce, health_check
+from epdraft.worker.log import info_rank0, setup_logging
+
+log = logging.getLogger("epdraft.worker")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m epdraft.worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="parallel config (.toml, .yaml or .json)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. draft.moe_ep=2"
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    return parser.parse_args(argv)
+
+
+def init_distributed(pc: ParallelConfig) -> None:
+    """Join the world torchrun set up (env://), with the config's backend and timeout."""
+    device_type, backend = resolve_backend(pc)
+    device_id = None
+    if device_type == "cuda":
+        # LOCAL_RANK is torchrun's contract with the processes it starts.
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank >= torch.cuda.device_count():
+            raise ParallelError(
+                f"local rank {local_rank} has no GPU: this host has {torch.cuda.device_count()}, "
+                f"cluster.nproc_per_node = {pc.cluster.nproc_per_node}"
+            )
+        torch.cuda.set_device(local_rank)
+        device_id = torch.device("cuda", local_rank)
+    dist.init_process_group(
+        backend, timeout=datetime.timedelta(seconds=pc.cluster.timeout_s), device_id=device_id
+    )
+
+
+def run(pc: ParallelConfig, config_path: str) -> None:
+    """Everything between init and teardown: groups, layout, health check."""
+    info_rank0(log, None, "parallel config %s: %s", config_path, json.dumps(pc.to_dict()))
+    groups = Groups.from_config(pc)
+    info_rank0(log, None, "layout:\n%s", layout_table(pc))
+    if groups is None:
+        log.info("target-only rank: holds no draft")
+    else:
+        log.info(
+            "draft rank: attn_dp %d/%d, moe_ep %d/%d, moe_tp %d/%d",
+            groups.dp_rank, groups.dp_size, groups.ep_rank, groups.ep_size, groups.tp_rank, groups.tp_size,
+        )
+    check_all_reduce(dist.group.WORLD, "world")
+    if groups is not None:
+        health_check(groups)
+    info_rank0(log, None, "health check passed on %d ranks", dist.get_world_size())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        pc = load_parallel_config(args.config, args.set)
+        init_distributed(pc)
+        try:
+            run(pc, args.config)
+        finally:
+            dist.destroy_process_group()
+    except EpdraftError as e:
+        log.error("%s", e)
+        return 2
+    except Exception:
+        log.exception("worker failed")
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

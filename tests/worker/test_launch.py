@@ -1,0 +1,169 @@
+"""`epdraft launch`: the torchrun command, a two-node world on one host, and a node that never starts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from epdraft.cli import main as cli_main
+from epdraft.config.parallel import load_parallel_config
+from epdraft.errors import ConfigError
+from epdraft.launch import torchrun_command
+from tests.harness import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL_CPU_4 = REPO / "configs" / "local-cpu-4.toml"
+TWO_NODES = ["--set", "cluster.nnodes=2", "--set", "cluster.nproc_per_node=2"]
+
+
+def test_single_node_command_is_standalone():
+    pc = load_parallel_config(LOCAL_CPU_4)
+    cmd = torchrun_command(pc, "configs/local-cpu-4.toml", overrides=["draft.moe_tp=1"], python="python")
+    assert cmd == [
+        "python", "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "4",
+        "--max-restarts", "0", "-m", "epdraft.worker", "--config", "configs/local-cpu-4.toml",
+        "--set", "draft.moe_tp=1",
+    ]  # fmt: skip
+
+
+def test_multi_node_command_uses_static_rendezvous_bounded_by_timeout():
+    pc = load_parallel_config(LOCAL_CPU_4, ["cluster.nnodes=2", "cluster.nproc_per_node=2", "cluster.timeout_s=9.5"])
+    cmd = torchrun_command(pc, "c.toml", node_rank=1, master_addr="10.0.0.1", master_port=29555, python="python")
+    flags = " ".join(cmd)
+    assert "--standalone" not in cmd
+    assert "--nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29555" in flags
+    assert "--rdzv-backend static --rdzv-conf timeout=10" in flags
+    assert "--nproc-per-node 2" in flags and flags.endswith("-m epdraft.worker --config c.toml")
+    with pytest.raises(ConfigError, match=r"--node-rank 2 is not a node index in \[0, cluster.nnodes = 2\)"):
+        torchrun_command(pc, "c.toml", node_rank=2)
+    with pytest.raises(ConfigError, match="--master-port 70000"):
+        torchrun_command(pc, "c.toml", master_port=70000)
+
+
+def test_dry_run_prints_the_command(capsys):
+    assert cli_main(["launch", str(LOCAL_CPU_4), "--node-rank", "1", "--master-port", "29600", *TWO_NODES,
+                     "--dry-run"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "torch.distributed.run --nnodes 2 --node-rank 1" in out
+    assert "--set cluster.nnodes=2 --set cluster.nproc_per_node=2" in out
+    assert cli_main(["launch", str(LOCAL_CPU_4), "--node-rank", "3", "--dry-run"]) == 2
+
+
+def _launch(config: Path, node_rank: int, port: int, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "epdraft.cli", "launch", str(config), "--node-rank", str(node_rank),
+           "--master-addr", "127.0.0.1", "--master-port", str(port), *TWO_NODES, *extra]  # fmt: skip
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _processes_mentioning(*needles: str) -> list[str]:
+    """Command lines of live processes naming any needle (our unique config path or port): psutil-free."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(n in argv for n in needles) and cmdline.parent.name != str(os.getpid()):
+            found.append(f"{cmdline.parent.name}: {argv}")
+    return found
+
+
+@pytest.fixture
+def config_copy(tmp_path) -> Path:
+    """A uniquely named copy of local-cpu-4.toml, so leftover processes can be found by their argv."""
+    path = tmp_path / f"epdraft-launch-test-{os.getpid()}.toml"
+    shutil.copy(LOCAL_CPU_4, path)
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_two_launches_form_a_four_rank_world(config_copy):
+    port = free_port()
+    nodes = [_launch(config_copy, r, port) for r in (0, 1)]
+    outs = []
+    try:
+        for p in nodes:
+            outs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in nodes:
+            p.kill()
+    assert [p.returncode for p in nodes] == [0, 0], "\n---\n".join(outs)
+    assert "[rank 0/4]" in outs[0] and "health check passed on 4 ranks" in outs[0], outs[0]
+    assert "[rank 3/4]" in outs[1] and "moe_ep 1/2, moe_tp 1/2" in outs[1], outs[1]
+    assert _processes_mentioning(str(config_copy)) == []
+
+
+@pytest.mark.timeout(120)
+def test_missing_node_fails_within_timeout_naming_it(config_copy):
+    port = free_port()
+    start = time.monotonic()
+    node0 = _launch(config_copy, 0, port, "--set", "cluster.timeout_s=10")
+    try:
+        out = node0.communicate(timeout=100)[0]
+    finally:
+        node0.kill()
+    elapsed = time.monotonic() - start
+    assert node0.returncode not in (0, None), out
+    assert elapsed < 40, f"took {elapsed:.0f} s\n{out}"
+    assert "1/2 nodes joined, node rank 1 did not join" in out, out
+    assert "cluster.timeout_s = 10 s" in out, out
+    assert _processes_mentioning(str(config_copy), f"--master-port {port}") == []
+
+
+@pytest.mark.timeout(120)
+def test_missing_master_fails_naming_node_0(config_copy):
+    port = free_port()
+    start = time.monotonic()
+    node1 = _launch(config_copy, 1, port, "--set", "cluster.timeout_s=10")
+    try:
+        out = node1.communicate(timeout=100)[0]
+    finally:
+        node1.kill()
+    assert node1.returncode not in (0, None), out
+    assert time.monotonic() - start < 40, out
+    assert f"node 1: node 0 did not join: no rendezvous at 127.0.0.1:{port}" in out, out
+    assert _processes_mentioning(str(config_copy), f"--master-port {port}") == []
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_the_launcher_leaves_no_process_behind(config_copy):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "epdraft.cli", "launch", str(config_copy)],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        first = launcher.stdout.readline()  # the launcher logs the command just before starting torchrun
+        assert "torch.distributed.run" in first, first
+        deadline = time.monotonic() + 60
+        while not any("-u -m epdraft.worker" in p for p in _processes_mentioning(str(config_copy))):
+            assert time.monotonic() < deadline, "torchrun started no worker within 60 s"
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGTERM)  # workers are up (importing torch or in init)
+        out = first + launcher.communicate(timeout=90)[0]
+    finally:
+        launcher.kill()
+    assert launcher.returncode is not None, out
+    deadline = time.monotonic() + 10
+    while _processes_mentioning(str(config_copy)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_mentioning(str(config_copy)) == [], out
+
+
+@pytest.mark.timeout(60)
+def test_worker_exits_2_naming_a_bad_config(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(LOCAL_CPU_4.read_text().replace('moe_layout = "gather"', 'moe_layout = "alltoall"'))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "epdraft.worker", "--config", str(bad)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=50)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "[rank ?/?]" in done.stderr and f"{bad}: draft.moe_tp = 2: alltoall supports" in done.stderr, done.stderr
