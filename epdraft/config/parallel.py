@@ -17,12 +17,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import tomllib
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Literal
 
 import msgspec
 import yaml
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, before it joined the standard library
+    import tomli as tomllib
 
 from epdraft.errors import ConfigError
 
