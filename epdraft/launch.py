@@ -39,13 +39,18 @@ _STOP_GRACE_S = 30.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="parallel config (.toml, .yaml or .json)")
+    add_node_arguments(parser)
+    parser.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
+
+
+def add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every command that starts ranks shares (launch, run)."""
     parser.add_argument("--node-rank", type=int, default=0, help="this node's index in [0, cluster.nnodes)")
     parser.add_argument("--master-addr", default="127.0.0.1", help="host of node 0 (multi-node only)")
     parser.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (multi-node only)")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. draft.moe_ep=2"
     )
-    parser.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
 
 
 def torchrun_command(
@@ -56,9 +61,12 @@ def torchrun_command(
     master_addr: str = "127.0.0.1",
     master_port: int = 29500,
     overrides: Sequence[str] = (),
+    worker_args: Sequence[str] = (),
     python: str | None = None,
 ) -> list[str]:
     """The torchrun command that starts this node's `cluster.nproc_per_node` workers.
+
+    `worker_args` are passed on to `python -m epdraft.worker` (e.g. the run job's flags).
 
     Raises ConfigError on a node rank outside [0, cluster.nnodes) or a port outside [1, 65535].
     """
@@ -85,7 +93,7 @@ def torchrun_command(
     cmd += ["-m", "epdraft.worker", "--config", str(config_path)]
     for item in overrides:
         cmd += ["--set", item]
-    return cmd
+    return cmd + list(worker_args)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -101,6 +109,14 @@ def main(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
+    return run_torchrun(cmd, pc, args)
+
+
+def run_torchrun(cmd: list[str], pc: ParallelConfig, args: argparse.Namespace) -> int:
+    """Run a `torchrun_command` to completion; on failure log what went wrong (which node did not join).
+
+    `args` carries the launch flags the explanation quotes: config, node_rank, master_addr, master_port.
+    """
     log.info("node %d of %d: %s", args.node_rank, pc.cluster.nnodes, shlex.join(cmd))
     returncode, watcher = _run(cmd)
     if returncode != 0:

@@ -318,3 +318,13 @@ def test_open_checkpoint_refuses_missing_shard(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "gone.safetensors"}}))
     with pytest.raises(LoadError, match="gone.safetensors"):
         open_checkpoint(tmp_path)
+
+
+def test_router_bias_the_config_does_not_declare_is_refused():
+    """A checkpoint's `gate.bias` with a spec that has no router bias would silently change routing."""
+    from epdraft.loading import load_into
+
+    spec = DraftMoeFFNSpec(router=RouterSpec(num_experts=4, top_k=2), intermediate_size=8)
+    moe = DraftMoE(spec, 16)
+    with pytest.raises(LoadError, match=r"layer 0: the checkpoint has layers\.0\.mlp\.gate\.bias"):
+        load_into(moe, {"layers.0.mlp.gate.bias": torch.zeros(4)}, 0)

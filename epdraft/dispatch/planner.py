@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 
 from epdraft.config.ffn import DraftMixFFNSpec, DraftMoeFFNSpec
+from epdraft.config.parallel import ParallelConfig
 from epdraft.errors import ConfigError
 
 GIB = 1 << 30
@@ -157,6 +158,39 @@ def choose_layout(
     return PlanChoice(layout=best.layout, dp_padding=best.dp_padding, estimates=tuple(estimates), reason=reason)
 
 
+def config_link(pc: ParallelConfig, name: str | None = None) -> Link:
+    """The link class `name`, or the config's: TCP for CPU ranks, InfiniBand when the MoE group spans nodes."""
+    if name is not None:
+        return LINKS[name]
+    if pc.cluster.device == "cpu":
+        return LINKS["tcp"]
+    return LINKS["ib" if pc.draft.moe_group_size > pc.cluster.nproc_per_node else "nvlink"]
+
+
+def choose_for_config(
+    pc: ParallelConfig,
+    spec: DraftMixFFNSpec,
+    *,
+    rows_per_rank: int = 64,
+    link: Link | None = None,
+    mem_bw_gbps: float | None = None,
+    memory_budget_bytes: int = 16 * GIB,
+    dtype_bytes: int = 2,
+) -> PlanChoice:
+    """`choose_layout` at the config's moe_ep x moe_tp, with the config's link and device defaults."""
+    device = "cpu" if pc.cluster.device == "cpu" else "cuda"
+    return choose_layout(
+        spec,
+        ep=pc.draft.moe_ep,
+        tp=pc.draft.moe_tp,
+        rows_per_rank=rows_per_rank,
+        link=link or config_link(pc),
+        mem_bw_gbps=mem_bw_gbps or MEMORY_BANDWIDTH_GBPS[device],
+        memory_budget_bytes=memory_budget_bytes,
+        dtype_bytes=dtype_bytes,
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="CONFIG", help="parallel config (.toml/.yaml/.json)")
     parser.add_argument("draft", metavar="DRAFT", help="draft checkpoint directory or its config.json")
@@ -178,21 +212,18 @@ def main(args: argparse.Namespace) -> int:
     if not spec.moe_layers:
         print(f"{args.draft}: no MoE layer; every layout is 'replicated' (no expert communication)")
         return 0
-    device = "cpu" if pc.cluster.device == "cpu" else "cuda"
-    d = pc.draft
-    default_link = "tcp" if device == "cpu" else ("ib" if d.moe_group_size > pc.cluster.nproc_per_node else "nvlink")
-    base = LINKS[args.link or default_link]
-    link = Link(base.name, args.bandwidth_gbps or base.bandwidth_gbps, args.latency_us or base.latency_us)
-    choice = choose_layout(
+    link = config_link(pc, args.link)
+    link = Link(link.name, args.bandwidth_gbps or link.bandwidth_gbps, args.latency_us or link.latency_us)
+    choice = choose_for_config(
+        pc,
         spec,
-        ep=d.moe_ep,
-        tp=d.moe_tp,
         rows_per_rank=args.rows,
         link=link,
-        mem_bw_gbps=args.mem_bw_gbps or MEMORY_BANDWIDTH_GBPS[device],
+        mem_bw_gbps=args.mem_bw_gbps,
         memory_budget_bytes=int(args.memory_gib * GIB),
         dtype_bytes=args.dtype_bytes,
     )
+    d = pc.draft
     print(f"config {args.config}: draft.moe_ep = {d.moe_ep}, draft.moe_tp = {d.moe_tp}, draft.moe_layout = {d.moe_layout!r}")
     print(f"draft {args.draft}: {len(spec.moe_layers)} MoE layers, H = {spec.hidden_size}, {args.rows} rows/rank")
     print(f"link {link.name}: {link.bandwidth_gbps:g} GB/s, {link.latency_us:g} us per collective")

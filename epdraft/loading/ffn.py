@@ -8,7 +8,6 @@ the pieces the module needs, so a missing expert is named even when other expert
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 
 import torch
@@ -19,7 +18,6 @@ from epdraft.loading.names import MLP_RULES, MOE_RULES, display_name, match, rel
 from epdraft.loading.shard import ExpertShard
 from epdraft.loading.source import TensorSource, as_source
 
-log = logging.getLogger(__name__)
 
 Piece = tuple[str, int | None, str]
 
@@ -108,10 +106,11 @@ def _copy(
 def load_into(module: nn.Module, tensors: Mapping[str, torch.Tensor] | TensorSource, layer_id: int | None) -> set[str]:
     """Copy every tensor of `tensors` that belongs to `module` (FFN of layer `layer_id`).
 
-    Returns the names consumed. Names of other layers, other ranks' experts and unknown names are
-    ignored; a known name the module has no slot for (e.g. `gate.bias` for a spec without a router
-    bias) is ignored with a warning. Raises LoadError on a shape mismatch, naming the tensor, the
-    expected and the found shape.
+    Returns the names accounted for: copied here, or belonging to experts / intermediate slices
+    that other ranks hold (read by them, never here). Names of other layers and unknown names are
+    ignored. Raises LoadError on a shape mismatch, naming the tensor, the expected and the found
+    shape, and on a known name the spec has no place for (e.g. `gate.bias` when the config declares
+    no router bias): dropping it would silently change the routing the draft was trained with.
     """
     source = as_source(tensors)
     params = dict(module.named_parameters())
@@ -138,12 +137,14 @@ def load_into(module: nn.Module, tensors: Mapping[str, torch.Tensor] | TensorSou
                     f"{name}: expected shape {list(expected)}, found {list(found)} (layer {layer_id}, slot {rule.slot})"
                 )
             pieces = _copy(source, name, form, rule.part, expert, param, shard)
-            if pieces is None:
-                continue
-            module.loaded_pieces.update((rule.slot, g, p) for g, p in pieces)
+            if pieces is not None:
+                module.loaded_pieces.update((rule.slot, g, p) for g, p in pieces)
             consumed.add(name)
     if unused:
-        log.warning("layer %s: the spec has no slot for %s; ignored", layer_id, ", ".join(sorted(unused)))
+        raise LoadError(
+            f"layer {layer_id}: the checkpoint has {', '.join(sorted(unused))} but the config declares no place "
+            "for it (router bias: topk_method = 'noaux_tc' or moe_router_bias = true; expert biases: gpt-oss)"
+        )
     return consumed
 
 

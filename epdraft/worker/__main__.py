@@ -21,6 +21,7 @@ from epdraft.config.parallel import ParallelConfig, load_parallel_config
 from epdraft.errors import EpdraftError, ParallelError
 from epdraft.worker.groups import Groups, layout_table, resolve_backend
 from epdraft.worker.health import check_all_reduce, health_check
+from epdraft.worker.job import RunJob, run_job
 from epdraft.worker.log import info_rank0, setup_logging
 
 log = logging.getLogger("epdraft.worker")
@@ -33,7 +34,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. draft.moe_ep=2"
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    return parser.parse_args(argv)
+    job = parser.add_argument_group("run job (without --draft the worker only checks the layout)")
+    job.add_argument("--draft", help="draft export directory (config.json + safetensors)")
+    job.add_argument("--target", help="HF target model directory")
+    job.add_argument("--prompts", help="JSON-lines prompts, each {\"input_ids\": [...]}")
+    job.add_argument("--max-new-tokens", type=int, default=64)
+    job.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
+    job.add_argument("--no-lossless-check", action="store_true", help="skip the target-only greedy reference decode")
+    job.add_argument("--json", dest="json_out", help="rank 0 writes the summary here as JSON")
+    args = parser.parse_args(argv)
+    if args.draft and not (args.target and args.prompts):
+        parser.error("--draft needs --target and --prompts")
+    return args
 
 
 def init_distributed(pc: ParallelConfig) -> None:
@@ -55,8 +67,11 @@ def init_distributed(pc: ParallelConfig) -> None:
     )
 
 
-def run(pc: ParallelConfig, config_path: str) -> None:
-    """Everything between init and teardown: groups, layout, health check."""
+def run(pc: ParallelConfig, config_path: str, job: RunJob | None = None) -> bool:
+    """Everything between init and teardown: groups, layout, health check, then the job if any.
+
+    Returns False when the job's lossless check failed.
+    """
     info_rank0(log, None, "parallel config %s: %s", config_path, json.dumps(pc.to_dict()))
     groups = Groups.from_config(pc)
     info_rank0(log, None, "layout:\n%s", layout_table(pc))
@@ -71,6 +86,11 @@ def run(pc: ParallelConfig, config_path: str) -> None:
     if groups is not None:
         health_check(groups)
     info_rank0(log, None, "health check passed on %d ranks", dist.get_world_size())
+    if job is None:
+        return True
+    if groups is None:
+        raise ParallelError("the run job needs every rank to hold a draft (placement.mode = 'colocated')")
+    return run_job(pc, config_path, groups, job)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,8 +99,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pc = load_parallel_config(args.config, args.set)
         init_distributed(pc)
+        job = None
+        if args.draft:
+            job = RunJob(
+                draft=args.draft,
+                target=args.target,
+                prompts=args.prompts,
+                max_new_tokens=args.max_new_tokens,
+                max_prompts=args.max_prompts,
+                check_lossless=not args.no_lossless_check,
+                json_out=args.json_out,
+            )
         try:
-            run(pc, args.config)
+            ok = run(pc, args.config, job)
         finally:
             dist.destroy_process_group()
     except EpdraftError as e:
@@ -89,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         log.exception("worker failed")
         raise
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

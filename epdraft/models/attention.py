@@ -1,0 +1,109 @@
+"""DFlash draft attention: block queries over [target-context K/V] ++ [block K/V], non-causal.
+
+Shape legend: N requests (or training sequences), Q query rows (one block at inference), L context
+rows, S = L + Q key rows, h query heads, g kv heads, D head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Qwen-style RMSNorm: normalize in fp32, scale in the input dtype (matches HF Qwen3RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape positions.shape + [head_dim] (fp32), half-split layout as HF `rotate_half`."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, T, D] rotated by cos/sin [N, T, D]; computed in fp32, returned in x's dtype."""
+    xf = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class DFlashAttention(nn.Module):
+    """GQA attention with per-head q/k RMSNorm and RoPE; keys/values = context ++ block.
+
+    Context K/V come from the fused target hidden through this layer's own k_proj/v_proj, k_norm
+    and RoPE at the context positions (`context_kv`); callers cache them, since they never change.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        rms_norm_eps: float,
+        rope_theta: float,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rope_theta = rope_theta
+        kw = dict(dtype=dtype, device=device)
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias, **kw)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **kw)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **kw)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False, **kw)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps, **kw)
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps, **kw)
+
+    def _kv(self, x_NTH: torch.Tensor, positions_NT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        N, T, _ = x_NTH.shape
+        k = self.k_norm(self.k_proj(x_NTH).view(N, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x_NTH).view(N, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(positions_NT, self.head_dim, self.rope_theta)
+        return apply_rope(k, cos, sin), v
+
+    def context_kv(self, target_hidden_NLH: torch.Tensor, positions_NL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [N, g, L, D] of the fused target hidden [N, L, H] at positions [N, L] (k: normed + RoPE)."""
+        return self._kv(target_hidden_NLH, positions_NL)
+
+    def forward(
+        self,
+        x_NQH: torch.Tensor,
+        positions_NQ: torch.Tensor,
+        k_ctx_NgLD: torch.Tensor,
+        v_ctx_NgLD: torch.Tensor,
+        allowed_NQS: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention output [N, Q, H] of the block rows x [N, Q, H] (already input-normed).
+
+        allowed_NQS: bool, True where query q may see key s (keys ordered context then block);
+        None = every query sees every key (inference: context is all before the anchor).
+        """
+        N, Q, _ = x_NQH.shape
+        q = self.q_norm(self.q_proj(x_NQH).view(N, Q, self.num_heads, self.head_dim)).transpose(1, 2)
+        cos, sin = rope_cos_sin(positions_NQ, self.head_dim, self.rope_theta)
+        q = apply_rope(q, cos, sin)
+        k_blk, v_blk = self._kv(x_NQH, positions_NQ)
+        k = torch.cat([k_ctx_NgLD, k_blk], dim=2)
+        v = torch.cat([v_ctx_NgLD, v_blk], dim=2)
+        mask = None if allowed_NQS is None else allowed_NQS.unsqueeze(1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(N, Q, self.num_heads * self.head_dim))

@@ -1,0 +1,132 @@
+"""Load a SpecForge DFlash / DSpark export (config.json + safetensors) into a draft, strictly.
+
+Names follow SpecForge: `fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.N.self_attn.*`,
+`layers.N.{input,post_attention}_layernorm.weight`, `layers.N.mlp.*` (any FFN naming the FFN loader
+accepts), `markov_head.*`, `confidence_head.*`; an optional `model.` prefix. The draft borrows the
+target's embedding and lm_head, so `embed_tokens.`, `lm_head.`, `rotary_emb.` are skipped as
+SGLang's loader does. Any missing tensor fails the whole load with one LoadError listing them all.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from epdraft.config.hf import read_config_json
+from epdraft.errors import ConfigError, LoadError
+from epdraft.layers.moe_context import MoeContext
+from epdraft.loading import TensorSource, open_checkpoint
+from epdraft.models.dflash import DFlashDraft
+from epdraft.models.dspark import DSparkDraft
+from epdraft.models.spec import DraftModelSpec
+
+log = logging.getLogger(__name__)
+
+SKIPPED_PREFIXES = ("embed_tokens.", "lm_head.", "rotary_emb.")
+_FFN_NAME = re.compile(r"layers\.\d+\.(?:mlp|block_sparse_moe|ffn)\.")
+
+
+def load_draft(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    moe_context: MoeContext | None = None,
+) -> DFlashDraft:
+    """Build the draft described by `path/config.json` and load its weights (this rank's experts only).
+
+    Returns a DSparkDraft for DSpark exports, else a DFlashDraft. Raises ConfigError for a config
+    the runtime cannot run, LoadError for a missing tensor or a wrong shape (naming them).
+    """
+    path = Path(path)
+    spec = DraftModelSpec.from_config(read_config_json(path), source=str(path / "config.json"))
+    cls = DSparkDraft if spec.kind == "dspark" else DFlashDraft
+    model = cls(spec, dtype=dtype, device=device, moe_context=moe_context)
+    load_draft_weights(model, open_checkpoint(path), origin=str(path))
+    return model.eval()
+
+
+def _strip(name: str) -> str | None:
+    """The export name without `model.`; None for tensors the draft never holds (the target's)."""
+    name = name.removeprefix("model.")
+    return None if name.startswith(SKIPPED_PREFIXES) else name
+
+
+def load_draft_weights(model: DFlashDraft, source: TensorSource, *, origin: str = "checkpoint") -> None:
+    """Copy every draft tensor of `source` into `model`; LoadError lists all missing tensors at once."""
+    params = {n: p for n, p in model.named_parameters() if not _FFN_NAME.match(n)}
+    loaded: set[str] = set()
+    unused: list[str] = []
+    ffn_names: list[str] = []
+    with torch.no_grad():
+        for name in source.keys():
+            own = _strip(name)
+            if own is None:
+                continue
+            if _FFN_NAME.match(own):
+                ffn_names.append(name)
+                continue
+            param = params.get(own)
+            if param is None:
+                unused.append(name)
+                continue
+            shape = tuple(source.shape(name))
+            if shape != tuple(param.shape):
+                raise LoadError(f"{origin}: {name}: expected shape {list(param.shape)}, found {list(shape)}")
+            param.copy_(source.get(name))
+            loaded.add(own)
+    missing = [n for n in params if n not in loaded]
+    consumed: set[str] = set()
+    for i, layer in enumerate(model.layers):
+        consumed |= layer.mlp.load_weights(source)
+        try:
+            layer.mlp.check_loaded()
+        except LoadError as e:
+            missing.append(str(e))
+    unused += [n for n in ffn_names if n not in consumed]
+    if missing:
+        raise LoadError(f"{origin}: partial export, {len(missing)} missing: {'; '.join(missing)}")
+    if unused:
+        log.warning("%s: %d tensor(s) not used by the draft: %s", origin, len(unused), ", ".join(sorted(unused)[:8]))
+
+
+def to_specforge_state_dict(model: DFlashDraft) -> dict[str, torch.Tensor]:
+    """The draft's tensors in SpecForge export naming (Qwen per-expert names for MoE layers).
+
+    Inverse of `load_draft_weights` for a model holding every expert (ep = tp = 1): stacked
+    `experts.w13 [E, 2I, H]` is written back as `experts.{i}.gate_proj / up_proj` and `w2` as
+    `experts.{i}.down_proj`, the router as `gate.*`, the shared expert as `shared_expert.*` and its
+    output gate as `shared_expert_gate.weight`.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if not _FFN_NAME.match(name):
+            out[name] = tensor.detach().clone().contiguous()
+    for i, layer in enumerate(model.layers):
+        prefix = f"layers.{i}.mlp."
+        shard = layer.mlp.expert_shard
+        if shard is not None and (shard.ep_size > 1 or shard.tp_size > 1):
+            raise ConfigError(f"layer {i}: export needs every expert on this rank (ep = tp = 1)")
+        for name, tensor in layer.mlp.state_dict().items():
+            t = tensor.detach()
+            if name in ("experts.w13", "experts.w2"):
+                for e in range(t.shape[0]):
+                    if name == "experts.w2":
+                        out[f"{prefix}experts.{e}.down_proj.weight"] = t[e].clone().contiguous()
+                    else:
+                        half = t.shape[1] // 2
+                        out[f"{prefix}experts.{e}.gate_proj.weight"] = t[e, :half].clone().contiguous()
+                        out[f"{prefix}experts.{e}.up_proj.weight"] = t[e, half:].clone().contiguous()
+                continue
+            if name.startswith("experts."):
+                raise ConfigError(f"layer {i}: {name}: expert biases have no SpecForge export name")
+            renamed = (
+                name.replace("router.", "gate.", 1)
+                .replace("shared.output_gate.", "shared_expert_gate.", 1)
+                .replace("shared.", "shared_expert.", 1)
+            )
+            out[prefix + renamed] = t.clone().contiguous()
+    return out

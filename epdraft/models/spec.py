@@ -1,0 +1,150 @@
+"""DraftModelSpec: the geometry of a DFlash / DSpark draft, read once from its config.json.
+
+SpecForge exports keep some keys at top level and some under `dflash_config` (the DSpark export
+normalizer copies the Markov keys up); either place is accepted, top level first.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from epdraft.config.ffn import DraftMixFFNSpec
+from epdraft.errors import ConfigError
+
+MarkovHeadType = Literal["vanilla", "gated", "rnn"]
+LayerType = Literal["full_attention", "sliding_attention"]
+
+
+class DraftModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything a draft needs besides its weights. Build with `from_config`, never directly."""
+
+    kind: Literal["dflash", "dspark"]
+    hidden_size: Annotated[int, msgspec.Meta(ge=1)]
+    num_heads: Annotated[int, msgspec.Meta(ge=1)]
+    num_kv_heads: Annotated[int, msgspec.Meta(ge=1)]
+    head_dim: Annotated[int, msgspec.Meta(ge=2)]
+    rope_theta: Annotated[float, msgspec.Meta(gt=0.0)]
+    rms_norm_eps: Annotated[float, msgspec.Meta(gt=0.0)]
+    num_layers: Annotated[int, msgspec.Meta(ge=1)]
+    block_size: Annotated[int, msgspec.Meta(ge=2, description="anchor + block_size-1 drafts")]
+    mask_token_id: Annotated[int, msgspec.Meta(ge=0)]
+    target_layer_ids: tuple[int, ...]
+    layer_types: tuple[LayerType, ...]
+    vocab_size: Annotated[int, msgspec.Meta(ge=1)]
+    attention_bias: bool = False
+    markov_rank: Annotated[int, msgspec.Meta(ge=0, description="0 = no Markov head (DFlash)")] = 0
+    markov_head_type: MarkovHeadType = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    ffn: DraftMixFFNSpec
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        if not self.target_layer_ids:
+            raise ConfigError("dflash_config.target_layer_ids must name at least one target layer")
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_layers}"
+            )
+        if self.ffn.num_layers != self.num_layers:
+            raise ConfigError(f"FFN spec has {self.ffn.num_layers} layers, num_hidden_layers is {self.num_layers}")
+        if self.kind == "dspark" and self.markov_rank <= 0:
+            raise ConfigError(f"markov_rank = {self.markov_rank}: a DSpark draft needs markov_rank > 0")
+
+    @property
+    def num_target_features(self) -> int:
+        """K: how many target layers feed `fc` (its input is K * hidden_size wide)."""
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], *, source: str = "config.json") -> "DraftModelSpec":
+        """Parse a SpecForge DFlash/DSpark export's config dict; ConfigError names `source` and the key."""
+        dflash = config.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise ConfigError(f"{source}: dflash_config must be an object, got {type(dflash).__name__}")
+
+        def pick(key: str, default: Any = msgspec.UNSET, *, prefixed: str | None = None) -> Any:
+            for table in (config, dflash):
+                if key in table:
+                    return table[key]
+            if prefixed is not None and prefixed in config:
+                return config[prefixed]
+            if default is msgspec.UNSET:
+                raise ConfigError(f"{source}: missing key {key!r} (top level or dflash_config)")
+            return default
+
+        hidden = pick("hidden_size")
+        heads = pick("num_attention_heads")
+        num_layers = pick("num_hidden_layers")
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ConfigError(f"{source}: num_hidden_layers = {num_layers!r} must be a positive integer")
+        projector = dflash.get("projector_type", "")
+        markov_rank = pick("markov_rank", 0, prefixed="dspark_markov_rank")
+        archs = " ".join(config.get("architectures") or [])
+        kind = "dspark" if projector == "dspark" or "DSpark" in archs or markov_rank else "dflash"
+        raw = {
+            "kind": kind,
+            "hidden_size": hidden,
+            "num_heads": heads,
+            "num_kv_heads": pick("num_key_value_heads", heads),
+            "head_dim": pick("head_dim", None) or _default_head_dim(hidden, heads, source),
+            "rope_theta": _rope_theta(config, source),
+            "rms_norm_eps": pick("rms_norm_eps", 1e-6),
+            "num_layers": num_layers,
+            "block_size": pick("block_size", 16, prefixed="dspark_block_size"),
+            "mask_token_id": pick("mask_token_id", prefixed="dspark_noise_token_id"),
+            "target_layer_ids": pick("target_layer_ids", msgspec.UNSET, prefixed="dspark_target_layer_ids"),
+            "layer_types": config.get("layer_types") or ["full_attention"] * num_layers,
+            "vocab_size": pick("vocab_size"),
+            "attention_bias": pick("attention_bias", False),
+            "markov_rank": markov_rank,
+            "markov_head_type": pick("markov_head_type", "vanilla"),
+            "enable_confidence_head": pick("enable_confidence_head", False),
+            "confidence_head_with_markov": pick("confidence_head_with_markov", False),
+            "ffn": DraftMixFFNSpec.from_config(config),
+        }
+        try:
+            return msgspec.convert(raw, cls)
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"{source}: {e}") from e
+
+
+def _default_head_dim(hidden: Any, heads: Any, source: str) -> int:
+    if not isinstance(hidden, int) or not isinstance(heads, int) or heads < 1:
+        raise ConfigError(f"{source}: hidden_size / num_attention_heads must be positive integers")
+    return hidden // heads
+
+
+def _rope_theta(config: dict[str, Any], source: str) -> float:
+    """rope_theta from transformers v4 (`rope_theta`) or v5 (`rope_parameters`); only default RoPE is served."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    for key, table in (("rope_parameters", params), ("rope_scaling", scaling)):
+        rope_type = table.get("rope_type", table.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"{source}: {key}.rope_type = {rope_type!r}: only default RoPE is supported")
+    theta = params.get("rope_theta", config.get("rope_theta", 1_000_000.0))
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise ConfigError(f"{source}: rope_theta = {theta!r} must be a positive number")
+    return float(theta)
+
+
+def check_against_target(spec: DraftModelSpec, *, hidden_size: int, num_layers: int, vocab_size: int) -> None:
+    """Raise ConfigError if the draft cannot run on this target (called by the runtime before step 0)."""
+    if spec.hidden_size != hidden_size:
+        raise ConfigError(
+            f"draft hidden_size ({spec.hidden_size}) != target hidden_size ({hidden_size}): the draft "
+            "reads the target's embeddings and lm_head, so they must match"
+        )
+    bad = [j for j in spec.target_layer_ids if not 0 <= j < num_layers]
+    if bad:
+        raise ConfigError(f"dflash_config.target_layer_ids {bad} outside the target's {num_layers} layers")
+    if spec.mask_token_id >= vocab_size:
+        raise ConfigError(f"mask_token_id ({spec.mask_token_id}) outside the target vocabulary ({vocab_size})")

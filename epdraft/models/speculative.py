@@ -1,0 +1,59 @@
+"""Single-process greedy speculative decoding: the reference loop the distributed runtime must equal."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from epdraft.errors import ConfigError
+from epdraft.models.dflash import DFlashDraft
+from epdraft.target.base import Target
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeOutput:
+    """tokens: the generated ids (prompt excluded, exactly max_new_tokens of them).
+
+    accept_lens: accepted drafts per verify step (0 .. B-1); tokens per step is that + 1.
+    """
+
+    tokens: list[int]
+    accept_lens: list[int]
+
+    @property
+    def mean_accept_len(self) -> float:
+        return sum(self.accept_lens) / max(len(self.accept_lens), 1)
+
+
+def speculative_generate(
+    target: Target, draft: DFlashDraft, prompt_ids: Sequence[int], max_new_tokens: int, *, request_id: int = 0
+) -> SpeculativeOutput:
+    """Greedy speculative decode of one prompt; lossless: tokens equal the target's own greedy decode.
+
+    prefill -> draft context = prompt features, anchor = first token; then per step: propose B-1
+    drafts, verify [anchor, drafts], append the committed rows' features to the draft context,
+    emit accepted drafts + bonus, anchor = bonus.
+    """
+    if tuple(target.feature_layer_ids) != tuple(draft.spec.target_layer_ids):
+        raise ConfigError(
+            f"target features {list(target.feature_layer_ids)} != draft target_layer_ids {list(draft.spec.target_layer_ids)}"
+        )
+    pre = target.prefill([request_id], [list(prompt_ids)])
+    try:
+        cache = draft.new_cache()
+        draft.extend_context(cache, pre.features)
+        anchor = pre.first_tokens[:1]
+        tokens, accept_lens = [int(anchor[0])], []
+        while len(tokens) < max_new_tokens:
+            drafts = draft.propose([cache], anchor, target)
+            block = torch.cat([anchor.to(drafts.device).unsqueeze(1), drafts], dim=1)
+            result = target.verify([request_id], block)
+            draft.extend_context(cache, result.features)
+            tokens += result.emitted(0)
+            accept_lens.append(int(result.accept_lens[0]))
+            anchor = result.bonus[:1]
+    finally:
+        target.release(request_id)
+    return SpeculativeOutput(tokens=tokens[:max_new_tokens], accept_lens=accept_lens)

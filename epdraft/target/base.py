@@ -1,0 +1,120 @@
+"""The target side of speculative decoding: what the draft runtime needs from any target engine.
+
+A target owns each request's exact KV cache. Per step it verifies one block per request,
+[anchor, d_1 .. d_{B-1}] at positions start .. start+B-1, keeps the longest prefix of drafts that
+equals its own greedy predictions, and returns the bonus token (its prediction after that prefix,
+the next anchor) and the features of the committed rows (anchor + accepted drafts) that the draft
+appends to its context. The bonus row's features come with the next verify.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from epdraft.errors import RequestError
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillResult:
+    """Prefill of N requests.
+
+    first_tokens: [N] int64, the target's greedy token after each prompt (the first anchor).
+    prompt_lens: [N] int64.
+    features: [sum(prompt_lens), K*H] target features of every prompt row, requests in order.
+    """
+
+    request_ids: tuple[int, ...]
+    first_tokens: torch.Tensor
+    prompt_lens: torch.Tensor
+    features: torch.Tensor
+
+    def rows(self, i: int) -> slice:
+        """The rows of `features` belonging to request i."""
+        start = int(self.prompt_lens[:i].sum())
+        return slice(start, start + int(self.prompt_lens[i]))
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyResult:
+    """Verify of N blocks (one per request).
+
+    accept_lens: [N] int64, accepted drafts per request, 0 .. B-1 (NOT counting the bonus token).
+    bonus: [N] int64, the target's token after the accepted prefix: the next anchor.
+    commit_lens: [N] int64 = accept_lens + 1, rows committed to the target KV (anchor + accepted).
+    committed_ids: [sum(commit_lens)] int64, tokens of the committed rows (each request's anchor first).
+    features: [sum(commit_lens), K*H] target features of the committed rows.
+    """
+
+    request_ids: tuple[int, ...]
+    accept_lens: torch.Tensor
+    bonus: torch.Tensor
+    commit_lens: torch.Tensor
+    committed_ids: torch.Tensor
+    features: torch.Tensor
+
+    def rows(self, i: int) -> slice:
+        """The rows of `committed_ids` / `features` belonging to request i."""
+        start = int(self.commit_lens[:i].sum())
+        return slice(start, start + int(self.commit_lens[i]))
+
+    def emitted(self, i: int) -> list[int]:
+        """New output tokens of request i this step: its accepted drafts, then the bonus token."""
+        return self.committed_ids[self.rows(i)][1:].tolist() + [int(self.bonus[i])]
+
+
+@runtime_checkable
+class Target(Protocol):
+    """A target model serving the requests of one DP rank (state per request id)."""
+
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    feature_layer_ids: tuple[int, ...]
+
+    def prefill(self, request_ids: Sequence[int], prompts: Sequence[Sequence[int]]) -> PrefillResult:
+        """Run each prompt, keep its KV cache; raises RequestError for an empty or out-of-vocab prompt."""
+        ...
+
+    def verify(self, request_ids: Sequence[int], blocks_NB: torch.Tensor) -> VerifyResult:
+        """Verify one block [anchor, drafts...] per request (greedy rule); KV cropped to the committed rows."""
+        ...
+
+    def release(self, request_id: int) -> None:
+        """Drop a finished request's state."""
+        ...
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [..., H] of ids [...]."""
+        ...
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] of hidden [..., H]."""
+        ...
+
+
+def validate_prompt(request_id: int, prompt: Sequence[int], vocab_size: int) -> None:
+    """Raise RequestError naming the request if its prompt is empty or has ids outside [0, vocab_size)."""
+    if len(prompt) == 0:
+        raise RequestError(f"request {request_id}: empty prompt")
+    bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(
+            f"request {request_id}: token id {bad[0]!r} outside the vocabulary [0, {vocab_size}) "
+            f"({len(bad)} bad id(s))"
+        )
+
+
+def greedy_accept(blocks_NB: torch.Tensor, target_pred_NB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy verify rule (SGLang `compute_dflash_accept_len_and_bonus`).
+
+    blocks_NB: [N, B] candidates, column 0 the anchor; target_pred_NB: [N, B] the target's argmax
+    after each candidate row. Returns (accept_lens [N] in 0..B-1, bonus [N]), both int64.
+    """
+    matches = blocks_NB[:, 1:] == target_pred_NB[:, :-1]
+    accept_lens = matches.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    bonus = target_pred_NB.gather(1, accept_lens.unsqueeze(1)).squeeze(1)
+    return accept_lens, bonus

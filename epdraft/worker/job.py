@@ -1,0 +1,106 @@
+"""The `run` job of a worker rank: load the target and the draft, serve this rank's prompts, report to rank 0."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from epdraft.config.parallel import ParallelConfig
+from epdraft.errors import ConfigError
+from epdraft.models.spec import check_against_target
+from epdraft.runtime import DraftRuntime, draft_spec
+from epdraft.target.hf import HFTarget
+from epdraft.worker.generate import RankReport, assign_prompts, greedy_reference, serve_rank
+from epdraft.worker.groups import Groups
+from epdraft.worker.summary import format_summary, summarize
+from epdraft.worker.timing import PhaseTimers
+
+log = logging.getLogger(__name__)
+
+
+class RunJob(msgspec.Struct, frozen=True, kw_only=True):
+    """What `epdraft run` asks every rank to do."""
+
+    draft: str
+    target: str
+    prompts: str
+    max_new_tokens: int = 64
+    max_prompts: int = 0
+    check_lossless: bool = True
+    json_out: str | None = None
+
+
+def read_prompts(path: str | Path, limit: int = 0) -> list[list[int]]:
+    """Token ids per prompt from a JSON-lines file: each line {"input_ids": [...]} (other keys ignored).
+
+    A line that is not JSON or has no `input_ids` list is a ConfigError naming the file and line.
+    Ids are checked against the target's vocabulary per request later, so one bad prompt does
+    not stop the others.
+    """
+    prompts = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(f"--prompts {path}: cannot read: {e.strerror}") from e
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            ids = json.loads(line)["input_ids"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ConfigError(f"{path}:{n}: expected a JSON object with an 'input_ids' list") from e
+        if not isinstance(ids, list):
+            raise ConfigError(f"{path}:{n}: input_ids must be a list of token ids, got {type(ids).__name__}")
+        prompts.append(ids)
+    return prompts[:limit] if limit else prompts
+
+
+def run_job(pc: ParallelConfig, config_path: str, groups: Groups, job: RunJob) -> bool:
+    """Serve the job's prompts over the draft DP ranks; rank 0 prints (and writes) the summary.
+
+    Returns False when the lossless check failed (rank 0), True otherwise.
+    """
+    spec = draft_spec(job.draft)
+    device = "cuda" if pc.cluster.device == "cuda" or (pc.cluster.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    target = HFTarget.from_pretrained(job.target, spec.target_layer_ids, device=device)
+    check_against_target(
+        spec, hidden_size=target.hidden_size, num_layers=target.num_layers, vocab_size=target.vocab_size
+    )
+    timers = PhaseTimers(device)
+    runtime = DraftRuntime.from_config(pc, job.draft, target, groups=groups, device=device, num_extras=2, timers=timers)
+    try:
+        prompts = read_prompts(job.prompts, job.max_prompts)
+        mine = assign_prompts([len(p) for p in prompts], job.max_new_tokens, groups.dp_size)[groups.dp_rank]
+        log.info("%d of %d prompts on this rank", len(mine), len(prompts))
+        report = serve_rank(
+            runtime,
+            target,
+            {i: prompts[i] for i in mine},
+            rank=dist.get_rank(),
+            max_new_tokens=job.max_new_tokens,
+            timers=timers,
+        )
+    finally:
+        runtime.close()
+    if job.check_lossless:
+        for o in report.requests:
+            if o.error is None:
+                o.reference_tokens = greedy_reference(target.model, prompts[o.request_id], job.max_new_tokens)
+    gathered: list[bytes | None] = [None] * groups.dp_size if groups.dp_rank == 0 else None
+    dist.gather_object(msgspec.msgpack.encode(report), gathered, dst=dist.get_process_group_ranks(groups.cpu)[0], group=groups.cpu)
+    if groups.dp_rank != 0:
+        return True
+    reports = [msgspec.msgpack.decode(b, type=RankReport) for b in gathered]
+    layout = pc.draft.moe_layout
+    summary = summarize(reports, config=config_path, layout=layout)
+    print(format_summary(summary), flush=True)
+    if job.json_out:
+        Path(job.json_out).write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
+    return summary.lossless is not False
