@@ -6,6 +6,7 @@ Neither function synchronizes: the rank is read from the local process-group sta
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import torch.distributed as dist
@@ -14,13 +15,14 @@ _FORMAT = "[rank %(rank)s/%(world)s] %(asctime)s %(levelname)s %(name)s: %(messa
 
 
 class _RankFilter(logging.Filter):
-    """Stamps the rank at emit time, so lines logged before init_process_group read `[rank ?/?]`."""
+    """Stamps the rank at emit time: the process group's, else the RANK / WORLD_SIZE torchrun set
+    (an error logged before init or after teardown still names its rank), else `?`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if dist.is_available() and dist.is_initialized():
             record.rank, record.world = dist.get_rank(), dist.get_world_size()
         else:
-            record.rank, record.world = "?", "?"
+            record.rank, record.world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
         return True
 
 

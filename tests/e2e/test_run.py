@@ -52,3 +52,33 @@ def test_run_is_lossless_and_accepts(case, tmp_path):
     assert summary["requests"] == 5 and not summary["failed_requests"]
     assert summary["accept_length"] >= 2.0, proc.stdout
     assert "lossless: OK" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_bad_requests_are_refused_and_the_others_finish(tmp_path):
+    good = [json.loads(line)["input_ids"] for line in open("epdraft/assets/prompts.jsonl")][:3]
+    lines = [{"input_ids": good[0]}, {"input_ids": []}, {"input_ids": good[1] + [100000]}, {"input_ids": good[2]}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    proc, summary = run_epdraft(["--prompts", str(prompts), "--max-new-tokens", "16"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert summary["lossless"] is True
+    assert summary["requests"] == 4
+    assert set(summary["failed_requests"]) == {"1", "2"}
+    assert "request 1: empty prompt" in summary["failed_requests"]["1"]
+    assert "token id 100000 outside the vocabulary" in summary["failed_requests"]["2"]
+    assert summary["generated_tokens"] == 2 * 16
+
+
+@pytest.mark.timeout(300)
+def test_draft_hidden_size_mismatch_is_a_clear_error(tmp_path):
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree("epdraft/assets/tiny-draft", draft)
+    config = json.loads((draft / "config.json").read_text())
+    config["hidden_size"] = 2 * config["hidden_size"]
+    (draft / "config.json").write_text(json.dumps(config))
+    proc, summary = run_epdraft(["--draft", str(draft), "--max-prompts", "2", "--max-new-tokens", "8"], tmp_path)
+    assert proc.returncode != 0 and summary is None
+    assert "draft hidden_size (256) != target hidden_size (128)" in proc.stderr, proc.stderr
