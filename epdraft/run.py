@@ -4,6 +4,10 @@ With no arguments: `configs/local-cpu-2.toml` (2 CPU ranks, experts sharded over
 target/draft pair shipped in `epdraft/assets/`, so it runs anywhere with no downloads. It starts the
 config's ranks through the launcher (torchrun), each serving its share of the prompts; rank 0 prints
 acceptance, throughput, the time split and the lossless check against the target's own greedy decode.
+
+A config of several nodes whose `--master-addr` is loopback (the default) can only run on this host,
+so without `--node-rank` every node's torchrun is started here (e.g. configs/local-cpu-disagg.toml:
+node 0 the target ranks, node 1 the draft ranks); with `--node-rank N` only node N's.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import argparse
 from pathlib import Path
 
 from epdraft.config.parallel import load_parallel_config
-from epdraft.launch import add_node_arguments, run_torchrun, torchrun_command
+from epdraft.launch import add_node_arguments, is_loopback, run_local_nodes, run_torchrun, torchrun_command
 
 PACKAGE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = PACKAGE / "configs" / "local-cpu-2.toml"
@@ -28,7 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (default all)")
     parser.add_argument("--no-lossless-check", action="store_true", help="skip the target-only reference decode")
     parser.add_argument("--json", help="also write the summary as JSON to this path")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="target and draft weights' dtype (default float32; bf16 uses the fused GPU kernels)")
     add_node_arguments(parser)
+    # None: this node only on a single-node config or a remote master, every node when the master is loopback.
+    parser.set_defaults(node_rank=None)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -40,18 +48,27 @@ def main(args: argparse.Namespace) -> int:
         "--max-new-tokens", str(args.max_new_tokens),
         "--max-prompts", str(args.max_prompts),
         "--log-level", args.log_level,
+        "--dtype", args.dtype,
     ]  # fmt: skip
     if args.no_lossless_check:
         worker_args.append("--no-lossless-check")
     if args.json:
         worker_args += ["--json", str(Path(args.json).resolve())]
-    cmd = torchrun_command(
-        pc,
-        args.config,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        overrides=args.set,
-        worker_args=worker_args,
-    )
-    return run_torchrun(cmd, pc, args)
+    local_nodes = args.node_rank is None and pc.cluster.nnodes > 1 and is_loopback(args.master_addr)
+    node_ranks = range(pc.cluster.nnodes) if local_nodes else [args.node_rank or 0]
+    cmds = [
+        torchrun_command(
+            pc,
+            args.config,
+            node_rank=node,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            overrides=args.set,
+            worker_args=worker_args,
+        )
+        for node in node_ranks
+    ]
+    if local_nodes:
+        return run_local_nodes(cmds, pc, args)
+    args.node_rank = node_ranks[0]
+    return run_torchrun(cmds[0], pc, args)

@@ -11,6 +11,9 @@ from epdraft.layers.experts import experts_reference
 from epdraft.loading import ExpertShard
 
 
+_FUSED_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def run_experts(
     rows_RH: torch.Tensor,
     ids_RK: torch.Tensor,
@@ -23,8 +26,9 @@ def run_experts(
 ) -> torch.Tensor:
     """The one place RoutedExperts computes: the same contract as `experts_reference`.
 
-    CUDA tensors go through the fused Triton kernels (`epdraft.kernels`), CPU tensors through the
-    reference loop; both are held against each other by tests/gpu/test_fused_moe.py.
+    bf16/fp16 CUDA tensors go through the fused Triton kernels (`epdraft.kernels`); fp32 (any
+    device) and CPU tensors through the reference loop; the two are held against each other by
+    tests/gpu/test_fused_moe.py.
 
     Args:
         rows_RH: [R, H] dispatched rows; R may be 0.
@@ -34,7 +38,7 @@ def run_experts(
     Returns:
         [R, H] in rows' dtype.
     """
-    impl = fused_experts if rows_RH.is_cuda else experts_reference
+    impl = fused_experts if rows_RH.is_cuda and rows_RH.dtype in _FUSED_DTYPES else experts_reference
     return impl(rows_RH, ids_RK, weights_RK, w13_eNH, w2_eHF, act, b13_eN, b2_eH)
 
 

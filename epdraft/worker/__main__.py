@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from epdraft.config.parallel import ParallelConfig, load_parallel_config
 from epdraft.errors import EpdraftError, ParallelError
+from epdraft.worker.disagg_job import run_disagg_job
 from epdraft.worker.groups import Groups, layout_table, resolve_backend
 from epdraft.worker.health import check_all_reduce, health_check
 from epdraft.worker.job import RunJob, run_job
@@ -42,6 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     job.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     job.add_argument("--no-lossless-check", action="store_true", help="skip the target-only greedy reference decode")
     job.add_argument("--json", dest="json_out", help="rank 0 writes the summary here as JSON")
+    job.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                     help="target and draft weights' dtype (default float32)")
     args = parser.parse_args(argv)
     if args.draft and not (args.target and args.prompts):
         parser.error("--draft needs --target and --prompts")
@@ -88,8 +91,8 @@ def run(pc: ParallelConfig, config_path: str, job: RunJob | None = None) -> bool
     info_rank0(log, None, "health check passed on %d ranks", dist.get_world_size())
     if job is None:
         return True
-    if groups is None:
-        raise ParallelError("the run job needs every rank to hold a draft (placement.mode = 'colocated')")
+    if pc.placement.mode == "disaggregated":
+        return run_disagg_job(pc, config_path, groups, job)
     return run_job(pc, config_path, groups, job)
 
 
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_prompts=args.max_prompts,
                 check_lossless=not args.no_lossless_check,
                 json_out=args.json_out,
+                dtype=args.dtype,
             )
         try:
             ok = run(pc, args.config, job)

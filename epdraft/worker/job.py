@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 import torch
@@ -33,6 +34,7 @@ class RunJob(msgspec.Struct, frozen=True, kw_only=True):
     max_prompts: int = 0
     check_lossless: bool = True
     json_out: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
 def read_prompts(path: str | Path, limit: int = 0) -> list[list[int]]:
@@ -69,12 +71,15 @@ def run_job(pc: ParallelConfig, config_path: str, groups: Groups, job: RunJob) -
     device = "cuda" if pc.cluster.device == "cuda" or (pc.cluster.device == "auto" and torch.cuda.is_available()) else "cpu"
     if device == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    target = HFTarget.from_pretrained(job.target, spec.target_layer_ids, device=device)
+    dtype = getattr(torch, job.dtype)
+    target = HFTarget.from_pretrained(job.target, spec.target_layer_ids, dtype=dtype, device=device)
     check_against_target(
         spec, hidden_size=target.hidden_size, num_layers=target.num_layers, vocab_size=target.vocab_size
     )
     timers = PhaseTimers(device)
-    runtime = DraftRuntime.from_config(pc, job.draft, target, groups=groups, device=device, num_extras=2, timers=timers)
+    runtime = DraftRuntime.from_config(
+        pc, job.draft, target, groups=groups, dtype=dtype, device=device, num_extras=2, timers=timers
+    )
     try:
         prompts = read_prompts(job.prompts, job.max_prompts)
         mine = assign_prompts([len(p) for p in prompts], job.max_new_tokens, groups.dp_size)[groups.dp_rank]
