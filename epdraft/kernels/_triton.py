@@ -13,53 +13,85 @@ ACT_SWIGLU = 0
 ACT_SWIGLUOAI = 1
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+@triton.jit
+def _own_pairs(ids_ptr, offs, num_pairs, num_experts, pid, EXPERTS_PER_PROG: tl.constexpr, FIELD_BITS: tl.constexpr):
+    """Per pair of one chunk: its expert's lane in this program, whether it is ours, and a one in that lane's field."""
+    e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+    lane = e - pid * EXPERTS_PER_PROG
+    mine = (lane >= 0) & (lane < EXPERTS_PER_PROG) & (e < num_experts)
+    lane = tl.where(mine, lane, 0)
+    one = tl.full(offs.shape, 1, tl.int64) << (lane * FIELD_BITS).to(tl.int64)
+    return lane, mine, tl.where(mine, one, 0)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
 def align_kernel(
     ids_ptr,
     sorted_ptr,
     block_expert_ptr,
     num_padded_ptr,
-    cursor_ptr,
+    sync_ptr,
     num_pairs,
     num_experts,
-    num_blocks,
     BLOCK_M: tl.constexpr,
-    NUM_BINS: tl.constexpr,
+    EXPERTS_PER_PROG: tl.constexpr,
+    MAX_PROGS: tl.constexpr,
     CHUNK: tl.constexpr,
+    FIELD_BITS: tl.constexpr,
 ):
-    """One program: histogram -> padded offsets -> block experts -> scatter pairs by atomics."""
-    drop_bin = NUM_BINS - 1  # >= num_experts: collects -1 and out-of-range ids
-    counts = tl.zeros([NUM_BINS], dtype=tl.int32)
+    """Program p sorts the pairs of experts [p*EPP, (p+1)*EPP) into their block-padded groups.
+
+    Each program scans every pair twice: counts of its experts, then in-order ranks. Both come from
+    one int64 sum / cumsum per chunk in which each of the program's experts owns a FIELD_BITS-wide
+    field, so pairs of one expert keep ascending pair order and no per-pair atomics are needed. The
+    start of its groups is the sum of the padded sizes of the programs before it: each program
+    publishes its own size in `sync_ptr[p]` (as size + 1; 0 = not yet) before it waits on the lower
+    programs, so with programs started in index order no program waits on one that cannot run.
+    The last program to finish zeroes `sync_ptr` again for the next launch.
+    """
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    lanes = tl.arange(0, EXPERTS_PER_PROG)
+    experts = pid * EXPERTS_PER_PROG + lanes
+    shifts = (lanes * FIELD_BITS).to(tl.int64)
+    field_mask = (1 << FIELD_BITS) - 1
+    counts = tl.zeros([EXPERTS_PER_PROG], dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
-        e = tl.where((e >= 0) & (e < num_experts), e, drop_bin)
-        counts += tl.histogram(e, NUM_BINS)
-    bins = tl.arange(0, NUM_BINS)
-    counts = tl.where(bins < num_experts, counts, 0)
+        _, _, one = _own_pairs(ids_ptr, offs, num_pairs, num_experts, pid, EXPERTS_PER_PROG, FIELD_BITS)
+        counts += ((tl.sum(one, 0) >> shifts) & field_mask).to(tl.int32)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    total = tl.sum(padded, 0)
-    tl.store(num_padded_ptr, total)
-    starts = ends - padded
-    tl.store(cursor_ptr + bins, starts)
-    # blocks past `total` are never read (the GEMMs exit first), so only real groups are labelled:
-    # step j labels every expert's j-th block at once
+    tl.atomic_xchg(sync_ptr + pid, tl.sum(padded, 0) + 1, sem="release")
+    progs = tl.arange(0, MAX_PROGS)
+    below = progs < pid
+    published = tl.atomic_add(sync_ptr + progs, 0, mask=below, sem="acquire")
+    while tl.min(tl.where(below, published, 1), 0) == 0:
+        published = tl.atomic_add(sync_ptr + progs, 0, mask=below, sem="acquire")
+    base = tl.sum(tl.where(below, published - 1, 0), 0)
+    starts = base + tl.cumsum(padded, 0) - padded
+    if pid == num_progs - 1:
+        tl.store(num_padded_ptr, base + tl.sum(padded, 0))
+    # block labels and padding rows (pad = num_pairs) of this program's groups
     first_block = starts // BLOCK_M
-    expert_blocks = padded // BLOCK_M
-    for j in range(0, tl.max(expert_blocks, 0)):
-        tl.store(block_expert_ptr + first_block + j, bins, mask=j < expert_blocks)
-    for r0 in range(0, total, CHUNK):
-        rows = r0 + tl.arange(0, CHUNK)
-        tl.store(sorted_ptr + rows, num_pairs, mask=rows < total)
-    # the cursor and padding stores above must land before any thread's atomics and scatter
-    tl.debug_barrier()
+    for j in range(0, tl.max(padded, 0) // BLOCK_M):
+        tl.store(block_expert_ptr + first_block + j, experts, mask=j * BLOCK_M < padded)
+    pad_rows = tl.arange(0, BLOCK_M)
+    pad_ptrs = sorted_ptr + (starts + counts)[:, None] + pad_rows[None, :]
+    tl.store(pad_ptrs, num_pairs, mask=pad_rows[None, :] < (padded - counts)[:, None])
+    # pairs: position = group start + number of earlier pairs of the same expert
+    seen = starts - 1
     for start in range(0, num_pairs, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
-        keep = (offs < num_pairs) & (e >= 0) & (e < num_experts)
-        pos = tl.atomic_add(cursor_ptr + e, 1, mask=keep, sem="relaxed")  # ordered by the barrier
-        tl.store(sorted_ptr + pos, offs, mask=keep)
+        lane, mine, one = _own_pairs(ids_ptr, offs, num_pairs, num_experts, pid, EXPERTS_PER_PROG, FIELD_BITS)
+        rank = ((tl.cumsum(one, 0) >> (lane * FIELD_BITS).to(tl.int64)) & field_mask).to(tl.int32)
+        for i in tl.static_range(EXPERTS_PER_PROG):
+            rank += tl.where(lane == i, tl.sum(tl.where(lanes == i, seen, 0), 0), 0)
+        tl.store(sorted_ptr + rank, offs, mask=mine)
+        seen += ((tl.sum(one, 0) >> shifts) & field_mask).to(tl.int32)
+    done = tl.atomic_add(sync_ptr + MAX_PROGS, 1, sem="acq_rel")
+    if done == num_progs - 1:
+        tl.store(sync_ptr + progs, tl.zeros([MAX_PROGS], dtype=tl.int32))
+        tl.store(sync_ptr + MAX_PROGS, 0)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])

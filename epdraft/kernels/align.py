@@ -2,7 +2,9 @@
 
 One Triton launch, no host synchronization, so the whole MoE forward can be captured in a CUDA
 graph: buffers are sized from shapes alone (an upper bound on the padded length) and the GEMM
-programs past the real padded count exit at once.
+programs past the real padded count exit at once. Programs own slices of the experts and hand each
+other their group sizes through a small per-device scratch that the launch leaves zeroed, so
+launches on one device must not run concurrently on different streams.
 
 Pair p = t * K + j names (token t, its j-th choice). An expert id outside [0, e) (-1: another
 rank's expert, or a padded row) drops the pair.
@@ -41,15 +43,27 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-num_pairs // block_m) + min(num_experts, num_pairs)
 
 
+_EXPERTS_PER_PROG = 4  # at most; 4 fields of 13 bits (chunks of 4096 pairs) fit one int64
+_MIN_PROGS = 128  # fewer experts per program while there are at most this many programs
+_sync_scratch: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _sync_buffer(device: torch.device, max_progs: int) -> torch.Tensor:
+    """[max_progs + 1] int32 zeros per device: published group sizes and a finish counter (kept zeroed)."""
+    key = (device, max_progs)
+    if key not in _sync_scratch:
+        _sync_scratch[key] = torch.zeros(max_progs + 1, dtype=torch.int32, device=device)
+    return _sync_scratch[key]
 
 
 def align_pairs(ids_P: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
     """Group the flat pair list `ids_P` ([P] int, local expert ids) by expert; one kernel launch.
 
-    Within an expert the order of pairs is whatever the atomics give: each pair's result is
-    written to its own row and summed later in pair order, so the output does not depend on it.
+    Within an expert, pairs keep ascending pair order, so the layout is deterministic.
     """
     from epdraft.kernels._triton import align_kernel
 
@@ -59,21 +73,23 @@ def align_pairs(ids_P: torch.Tensor, num_experts: int, block_m: int) -> AlignedP
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    num_bins = _next_pow2(num_experts + 1)
-    cursor = torch.empty(num_bins, dtype=torch.int32, device=device)
-    chunk = min(4096, max(256, _next_pow2(num_pairs)))
-    align_kernel[(1,)](
+    experts_per_prog = min(_EXPERTS_PER_PROG, _next_pow2(-(-num_experts // _MIN_PROGS)))
+    num_progs = -(-num_experts // experts_per_prog)
+    max_progs = max(_MIN_PROGS, _next_pow2(num_progs))
+    chunk = max(16, min(_next_pow2(num_pairs), 4096))
+    align_kernel[(num_progs,)](
         ids_P,
         sorted_pairs,
         block_expert,
         num_padded,
-        cursor,
+        _sync_buffer(device, max_progs),
         num_pairs,
         num_experts,
-        blocks,
         BLOCK_M=block_m,
-        NUM_BINS=num_bins,
+        EXPERTS_PER_PROG=experts_per_prog,
+        MAX_PROGS=max_progs,
         CHUNK=chunk,
-        num_warps=16,
+        FIELD_BITS=chunk.bit_length(),
+        num_warps=16 if chunk >= 4096 else 8 if chunk >= 1024 else 4,
     )
     return AlignedPairs(sorted_pairs, block_expert, num_padded, block_m, num_pairs)

@@ -80,6 +80,41 @@ def test_token_counts_and_expert_shapes(num_tokens, num_experts, top_k):
     check(num_tokens, num_experts, top_k)
 
 
+def aligned_reference(ids, num_experts, block_m):
+    """Sorted pair ids (ascending within an expert, padded with P) and block labels, in plain Python."""
+    ids = ids.tolist()
+    rows, labels = [], []
+    for e in range(num_experts):
+        group = [p for p, i in enumerate(ids) if i == e]
+        group += [len(ids)] * (-len(group) % block_m)
+        rows += group
+        labels += [e] * (len(group) // block_m)
+    return rows, labels
+
+
+@pytest.mark.parametrize(
+    "num_experts,num_pairs,block_m",
+    [
+        (1, 5, 16), (8, 37, 16), (8, 4099, 64), (128, 6144, 16), (300, 700, 32),
+        (512, 20480, 16), (512, 160, 64), (2048, 500, 16),
+    ],
+)
+def test_align_pairs_layout(num_experts, num_pairs, block_m):
+    """Routing setup: expert groups in order, pairs in order within a group, -1 and ids >= E dropped."""
+    from epdraft.kernels.align import _sync_scratch, align_pairs
+
+    gen = torch.Generator(device="cuda").manual_seed(num_pairs)
+    ids = torch.randint(-1, num_experts + 2, (num_pairs,), device="cuda", generator=gen)
+    rows, labels = aligned_reference(ids.cpu(), num_experts, block_m)
+    for _ in range(3):  # the launch leaves its scratch zeroed, so repeated launches agree
+        aligned = align_pairs(ids, num_experts, block_m)
+        num_padded = int(aligned.num_padded_1.item())
+        assert num_padded == len(rows)
+        assert aligned.sorted_pairs_M[:num_padded].tolist() == rows
+        assert aligned.block_expert_B[: num_padded // block_m].tolist() == labels
+        assert not any(buf.any() for buf in _sync_scratch.values())
+
+
 @pytest.mark.parametrize("act", list(ACTS))
 @pytest.mark.parametrize("router", list(ROUTERS))
 def test_activations_and_routers(act, router):
