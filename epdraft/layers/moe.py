@@ -85,8 +85,9 @@ class DraftMoE(nn.Module):
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | TensorSource) -> set[str]:
         """Copy this layer's tensors (only this rank's experts and slice) from any accepted naming.
 
-        Returns the names consumed; other names (other layers, other ranks' experts) are ignored.
-        Raises LoadError on a shape mismatch, naming the tensor and both shapes.
+        Returns the names accounted for (copied here, or other ranks' experts); other layers' and
+        unknown names are ignored. Raises LoadError on a shape mismatch, naming the tensor and both
+        shapes, and on a tensor the config has no place for.
         """
         return load_into(self, named_tensors, self.layer_id)
 
