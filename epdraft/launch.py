@@ -13,6 +13,7 @@ group, which is killed when the launcher exits: no worker outlives it.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import math
 import os
@@ -124,6 +125,33 @@ def run_torchrun(cmd: list[str], pc: ParallelConfig, args: argparse.Namespace) -
     return returncode
 
 
+def run_local_nodes(cmds: Sequence[list[str]], pc: ParallelConfig, args: argparse.Namespace) -> int:
+    """Run one `torchrun_command` per node, all on this host (cmds[n] is node n's), to completion.
+
+    Returns the first non-zero exit code in node order (0 when every node succeeded) after logging,
+    per failed node, what went wrong.
+    """
+    for node, cmd in enumerate(cmds):
+        log.info("node %d of %d (on this host): %s", node, pc.cluster.nnodes, shlex.join(cmd))
+    returncode = 0
+    for node, (code, watcher) in enumerate(_run_all(cmds)):
+        if code != 0:
+            node_args = argparse.Namespace(**{**vars(args), "node_rank": node})
+            log.error("%s", _explain_failure(code, watcher, pc, node_args))
+            returncode = returncode or code
+    return returncode
+
+
+def is_loopback(address: str) -> bool:
+    """Whether `address` (an IP or "localhost") names this host's loopback: no other host can join there."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
 class _StderrWatcher(threading.Thread):
     """Forwards torchrun's stderr line by line and remembers the rendezvous-timeout lines."""
 
@@ -145,24 +173,38 @@ class _StderrWatcher(threading.Thread):
 
 def _run(cmd: list[str]) -> tuple[int, _StderrWatcher]:
     """Run `cmd` in its own process group, forwarding signals to it; leave no process of it behind."""
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
-    watcher = _StderrWatcher(proc.stderr)
-    watcher.start()
+    return _run_all([cmd])[0]
+
+
+def _run_all(cmds: Sequence[list[str]]) -> list[tuple[int, _StderrWatcher]]:
+    """Run every command at once, each in its own process group, forwarding signals to all of them;
+    wait for all, and leave no process of any of them behind."""
+    procs = [
+        subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+        for cmd in cmds
+    ]
+    watchers = [_StderrWatcher(proc.stderr) for proc in procs]
+    for watcher in watchers:
+        watcher.start()
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in _FORWARDED_SIGNALS:
-            previous[sig] = signal.signal(sig, lambda signum, _frame: _signal_group(proc.pid, signum))
+            previous[sig] = signal.signal(
+                sig, lambda signum, _frame: [_signal_group(proc.pid, signum) for proc in procs]
+            )
     try:
-        returncode = proc.wait()
+        codes = [proc.wait() for proc in procs]
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if proc.poll() is None:
-            _stop(proc)
-        _signal_group(proc.pid, signal.SIGKILL)
-        watcher.join(timeout=5)
+        for proc in procs:
+            if proc.poll() is None:
+                _stop(proc)
+            _signal_group(proc.pid, signal.SIGKILL)
+        for watcher in watchers:
+            watcher.join(timeout=5)
     # A negative code means torchrun died of a signal; report it the way a shell would.
-    return (128 - returncode if returncode < 0 else returncode), watcher
+    return [(128 - code if code < 0 else code, watcher) for code, watcher in zip(codes, watchers)]
 
 
 def _stop(proc: subprocess.Popen) -> None:

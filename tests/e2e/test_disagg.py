@@ -1,0 +1,108 @@
+"""Disaggregated drafts end to end: `epdraft run configs/local-cpu-disagg.toml` (node 0 target, node 1 draft).
+
+The draft's MoE output decides the accept length, so a disaggregated run that drafts the same
+requests with the same experts must accept exactly what the colocated run on the same prompts
+accepts; both must equal the target's own greedy decode (then their tokens are equal too).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from epdraft.config.parallel import load_parallel_config, parallel_config_from_dict
+from epdraft.worker.disagg import KILL_AT_STEP_ENV
+from epdraft.worker.pairing import paired_draft_rank, paired_target_ranks
+from tests.e2e.test_run import run_epdraft
+from tests.harness import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+DISAGG = "configs/local-cpu-disagg.toml"
+PROMPTS = ["--max-prompts", "5", "--max-new-tokens", "32"]
+# Many-to-one: two target nodes of one rank each share the one draft rank on node 2.
+TWO_TARGETS_ONE_DRAFT = [
+    "--set", "cluster.nnodes=3", "--set", "cluster.nproc_per_node=1", "--set", "draft.attn_dp=1",
+    "--set", "draft.moe_layout=replicated", "--set", "draft.moe_ep=1", "--set", "placement.draft_nodes=[2]",
+]  # fmt: skip
+
+
+def test_pairing_is_target_dp_rank_modulo_draft_ranks():
+    pc = parallel_config_from_dict({
+        "cluster": {"nnodes": 3, "nproc_per_node": 2, "device": "cpu"},
+        "draft": {"attn_dp": 2},
+        "target": {"dp": 4},
+        "placement": {"mode": "disaggregated", "draft_nodes": [1]},
+    })  # fmt: skip
+    assert pc.target_ranks == (0, 1, 4, 5) and pc.draft_ranks == (2, 3)
+    assert [paired_draft_rank(pc, t) for t in pc.target_ranks] == [2, 3, 2, 3]
+    assert paired_target_ranks(pc, 2) == (0, 4) and paired_target_ranks(pc, 3) == (1, 5)
+    local = load_parallel_config(REPO / DISAGG)
+    assert [paired_draft_rank(local, t) for t in local.target_ranks] == [2, 3]
+
+
+@pytest.mark.timeout(600)
+def test_disaggregated_run_equals_colocated(tmp_path):
+    # local-cpu-2 is the same draft layout (attn_dp 2, alltoall over moe_ep 2) with the draft beside the target.
+    (tmp_path / "colocated").mkdir()
+    (tmp_path / "disagg").mkdir()
+    colocated_proc, colocated = run_epdraft(PROMPTS, tmp_path / "colocated")
+    assert colocated_proc.returncode == 0, colocated_proc.stdout + colocated_proc.stderr
+    proc, disagg = run_epdraft([DISAGG, *PROMPTS], tmp_path / "disagg")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "draft DP rank 1 serves target ranks [1]" in proc.stderr
+    for summary in (colocated, disagg):
+        assert summary["lossless"] is True and summary["requests"] == 5 and not summary["failed_requests"]
+    for key in ("accept_length", "verify_steps", "accept_length_per_rank", "requests_per_rank", "generated_tokens"):
+        assert disagg[key] == colocated[key], key
+    assert disagg["accept_length"] >= 2.0
+
+
+@pytest.mark.timeout(420)
+def test_one_draft_rank_serves_two_target_ranks(tmp_path):
+    proc, summary = run_epdraft([DISAGG, *TWO_TARGETS_ONE_DRAFT, *PROMPTS], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "draft DP rank 0 serves target ranks [0, 1]" in proc.stderr
+    assert summary["lossless"] is True and summary["requests"] == 5
+    assert summary["accept_length"] >= 2.0
+
+
+@pytest.mark.timeout(300)
+def test_killed_draft_rank_fails_every_rank_naming_it(tmp_path):
+    timeout_s = 30
+    marker = uuid.uuid4().hex
+    env = {**os.environ, "OMP_NUM_THREADS": "1", KILL_AT_STEP_ENV: "3:5", "EPDRAFT_TEST_MARKER": marker}
+    cmd = [sys.executable, "-m", "epdraft.cli", "run", DISAGG, *PROMPTS, "--no-lossless-check",
+           "--set", f"cluster.timeout_s={timeout_s}", "--master-port", str(free_port())]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    killed_at, lines = None, []
+    for line in proc.stderr:
+        lines.append(line)
+        if killed_at is None and f"{KILL_AT_STEP_ENV}: killing this rank at step 5" in line:
+            killed_at = time.monotonic()
+    returncode = proc.wait(timeout=60)
+    log = "".join(lines)
+    assert killed_at is not None, log
+    assert time.monotonic() - killed_at <= timeout_s + 30, log
+    assert returncode != 0, log
+    # The target rank paired with it names it (the other ranks fail too, but a torchrun may stop
+    # them before they log: which of them says what is a race).
+    assert "draft rank 3 stopped answering at step 5 (target rank 1)" in log
+    assert _processes_with(marker) == [], log
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Pids of live processes whose environment carries `marker` (this test's launch and its children)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"EPDRAFT_TEST_MARKER={marker}".encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return found
