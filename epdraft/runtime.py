@@ -15,6 +15,7 @@ layer per step by every rank.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Mapping
@@ -35,7 +36,7 @@ from epdraft.models.spec import DraftModelSpec
 from epdraft.target.base import VerifyResult
 from epdraft.worker.dp_sync import StepSync
 from epdraft.worker.groups import Groups
-from epdraft.worker.timing import PhaseTimers, TimedDispatcher
+from epdraft.worker.timing import PhaseTimers, TimedDispatcher, time_forward
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class DraftRuntime:
         if timers is not None:
             for m in draft.modules():
                 if isinstance(m, DraftMoE):
-                    _time_module(m, timers, "moe_total")
+                    time_forward(m, timers, "moe_total")
 
     @classmethod
     def build(
@@ -143,8 +144,6 @@ class DraftRuntime:
         return self.draft.block_size
 
     def _phase(self, name: str):
-        import contextlib
-
         return self.timers.phase(name) if self.timers is not None else contextlib.nullcontext()
 
     def add_request(self, request_id: int, prompt_features: torch.Tensor) -> None:
@@ -195,16 +194,3 @@ class DraftRuntime:
         if self._moe_ctx is not None:
             self._moe_ctx.dispatcher.close()
 
-
-def _time_module(module: torch.nn.Module, timers: PhaseTimers, name: str) -> None:
-    """Book every forward of `module` under `name` (hooks: the module's code stays untouched)."""
-    starts: list[float] = []
-
-    def pre(_m, _args):
-        starts.append(timers._now())
-
-    def post(_m, _args, _out):
-        timers.seconds[name] += timers._now() - starts.pop()
-
-    module.register_forward_pre_hook(pre)
-    module.register_forward_hook(post)

@@ -23,21 +23,36 @@ class PhaseTimers:
         self.seconds: dict[str, float] = defaultdict(float)
         self._cuda = torch.device(device).type == "cuda"
 
-    def _now(self) -> float:
+    def now(self) -> float:
+        """Seconds on the wall clock, after the device finished its queued work."""
         if self._cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        start = self._now()
+        start = self.now()
         try:
             yield
         finally:
-            self.seconds[name] += self._now() - start
+            self.seconds[name] += self.now() - start
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.seconds)
+
+
+def time_forward(module: torch.nn.Module, timers: PhaseTimers, name: str) -> None:
+    """Book every forward of `module` under `name`, through hooks: the module's code stays untouched."""
+    starts: list[float] = []
+
+    def pre(_module, _args):
+        starts.append(timers.now())
+
+    def post(_module, _args, _out):
+        timers.seconds[name] += timers.now() - starts.pop()
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post)
 
 
 class TimedDispatcher:

@@ -18,6 +18,7 @@ from tests.harness import free_port
 CASES = {
     "1rank-replicated": ["--set", "cluster.nproc_per_node=1", "--set", "draft.attn_dp=1", "--set", "target.dp=1",
                          "--set", "draft.moe_layout=replicated", "--set", "draft.moe_ep=1"],
+    "2rank-replicated": ["--set", "draft.moe_layout=replicated", "--set", "draft.moe_ep=1"],
     "2rank-alltoall": [],
     "2rank-gather-sum_len": ["--set", "draft.moe_layout=gather", "--set", "draft.dp_padding=sum_len"],
     "4rank-replicated": ["configs/local-cpu-4.toml", "--set", "draft.moe_layout=replicated",
