@@ -12,9 +12,7 @@ import datetime
 import logging
 import os
 import socket
-from pathlib import Path
 
-import msgspec
 import torch
 import torch.distributed as dist
 
@@ -25,11 +23,10 @@ from epdraft.models.spec import check_against_target
 from epdraft.runtime import DraftRuntime, draft_spec
 from epdraft.target.hf import HFTarget
 from epdraft.worker.disagg import serve_draft_rank, serve_target_rank, target_buffer_spec
-from epdraft.worker.generate import RankReport, RequestOutcome, assign_prompts, greedy_reference
+from epdraft.worker.generate import RankReport, RequestOutcome, assign_prompts
 from epdraft.worker.groups import Groups, resolve_backend
-from epdraft.worker.job import RunJob, read_prompts
+from epdraft.worker.job import RunJob, attach_references, read_prompts, report_to_root
 from epdraft.worker.pairing import PeerLink, paired_draft_rank, paired_target_ranks
-from epdraft.worker.summary import format_summary, summarize
 from epdraft.worker.timing import PhaseTimers
 from epdraft.worker.transfer import make_transport
 from epdraft.worker.transfer.control import ControlChannel
@@ -74,19 +71,10 @@ def run_disagg_job(pc: ParallelConfig, config_path: str, groups: Groups | None, 
     finally:
         link.close()
     if groups is None and job.check_lossless:
-        for o in report.requests:
-            if o.error is None:
-                o.reference_tokens = greedy_reference(target.model, prompts[o.request_id], job.max_new_tokens)
-    gathered: list[bytes | None] | None = [None] * pc.world_size if rank == 0 else None
-    dist.gather_object(msgspec.msgpack.encode(report), gathered, dst=0)
-    if rank != 0:
-        return True
-    reports = [msgspec.msgpack.decode(b, type=RankReport) for b in gathered]
-    summary = summarize(_target_reports(pc, reports), config=config_path, layout=pc.draft.moe_layout)
-    print(format_summary(summary), flush=True)
-    if job.json_out:
-        Path(job.json_out).write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
-    return summary.lossless is not False
+        attach_references(report, target, prompts, job.max_new_tokens)
+    return report_to_root(
+        report, job, config_path, pc.draft.moe_layout, group=None, root=0, select=lambda rs: _target_reports(pc, rs)
+    )
 
 
 def _serve_target(

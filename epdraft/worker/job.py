@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import msgspec
 import torch
@@ -95,15 +95,39 @@ def run_job(pc: ParallelConfig, config_path: str, groups: Groups, job: RunJob) -
     finally:
         runtime.close()
     if job.check_lossless:
-        for o in report.requests:
-            if o.error is None:
-                o.reference_tokens = greedy_reference(target.model, prompts[o.request_id], job.max_new_tokens)
-    gathered: list[bytes | None] = [None] * groups.dp_size if groups.dp_rank == 0 else None
-    dist.gather_object(msgspec.msgpack.encode(report), gathered, dst=dist.get_process_group_ranks(groups.cpu)[0], group=groups.cpu)
-    if groups.dp_rank != 0:
+        attach_references(report, target, prompts, job.max_new_tokens)
+    root = dist.get_process_group_ranks(groups.cpu)[0]
+    return report_to_root(report, job, config_path, pc.draft.moe_layout, group=groups.cpu, root=root)
+
+
+def attach_references(report: RankReport, target: HFTarget, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Give each served request the target's own greedy decode, which its tokens must equal."""
+    for o in report.requests:
+        if o.error is None:
+            o.reference_tokens = greedy_reference(target.model, prompts[o.request_id], max_new_tokens)
+
+
+def report_to_root(
+    report: RankReport,
+    job: RunJob,
+    config_path: str,
+    layout: str,
+    *,
+    group: dist.ProcessGroup | None,
+    root: int,
+    select: Callable[[list[RankReport]], list[RankReport]] = lambda reports: reports,
+) -> bool:
+    """Gather every rank's report on `root` (a global rank of `group`), which prints the summary
+    (and writes it as JSON when asked); `select` picks and merges the reports that make it.
+
+    Returns False on the root when the lossless check failed, True otherwise.
+    """
+    is_root = dist.get_rank() == root
+    gathered: list[bytes | None] | None = [None] * dist.get_world_size(group) if is_root else None
+    dist.gather_object(msgspec.msgpack.encode(report), gathered, dst=root, group=group)
+    if not is_root:
         return True
-    reports = [msgspec.msgpack.decode(b, type=RankReport) for b in gathered]
-    layout = pc.draft.moe_layout
+    reports = select([msgspec.msgpack.decode(b, type=RankReport) for b in gathered])
     summary = summarize(reports, config=config_path, layout=layout)
     print(format_summary(summary), flush=True)
     if job.json_out:

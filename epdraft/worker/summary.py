@@ -9,6 +9,7 @@ from epdraft.worker.generate import RankReport
 PHASES = (
     ("prefill", "target prefill"),
     ("verify", "target verify"),
+    ("transfer", "transfer (target waiting on draft ranks)"),
     ("sync", "step sync"),
     ("draft_context", "draft context (fc + K/V)"),
     ("draft_attention", "draft attention, norms, lm_head"),
@@ -51,6 +52,7 @@ def derive_phases(raw: dict[str, float]) -> dict[str, float]:
     return {
         "prefill": raw.get("prefill", 0.0),
         "verify": raw.get("verify", 0.0),
+        "transfer": raw.get("transfer", 0.0),
         "sync": raw.get("sync", 0.0),
         "draft_context": raw.get("draft_context", 0.0),
         "draft_attention": raw.get("draft_propose", 0.0) - moe,
@@ -124,6 +126,8 @@ def format_summary(s: RunSummary) -> str:
     total = sum(s.phase_seconds.values()) or 1.0
     for key, label in PHASES:
         sec = s.phase_seconds[key]
+        if sec == 0.0:  # a phase this placement does not have (transfer when colocated)
+            continue
         lines.append(f"  {label:<38}{sec:>9.3f} s {100 * sec / total:>6.1f} %")
     if s.lossless is None:
         lines.append("lossless: not checked")
