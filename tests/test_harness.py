@@ -18,10 +18,11 @@ def _fail_on_one(rank, world):
 
 
 def _hang_on_one(rank, world):
+    dist.barrier()  # both ranks are up: the deadline below measures the hang, not process start-up
     if rank == 0:
         import time
 
-        time.sleep(60)
+        time.sleep(120)
     return rank
 
 
@@ -39,4 +40,4 @@ def test_run_ranks_names_the_failing_rank():
 @pytest.mark.timeout(60)
 def test_run_ranks_kills_a_hung_rank():
     with pytest.raises(AssertionError, match=r"ranks \[0\] did not finish"):
-        run_ranks(2, _hang_on_one, timeout_s=8)
+        run_ranks(2, _hang_on_one, timeout_s=25)

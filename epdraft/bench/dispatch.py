@@ -14,19 +14,17 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import time
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from epdraft.config.ffn import DraftMoeFFNSpec, RouterSpec
 from epdraft.config.parallel import ParallelConfig, load_parallel_config
-from epdraft.errors import ConfigError, ParallelError
+from epdraft.errors import ConfigError
+from epdraft.worker.spawn import run_local_ranks
 
 PHASES = ("sync", "dispatch", "experts", "combine")
 CPU_OVERRIDES = ('cluster.device="cpu"', 'cluster.backend="gloo"', 'draft.a2a_backend="torch"')
@@ -55,7 +53,9 @@ def layouts(pc: ParallelConfig) -> list[tuple[str, str]]:
     return out
 
 
-def _time_layouts(rank: int, pc: ParallelConfig, spec: DraftMoeFFNSpec, hidden: int, a: dict) -> list[dict]:
+def _time_layouts(
+    rank: int, world: int, pc: ParallelConfig, spec: DraftMoeFFNSpec, hidden: int, a: dict
+) -> list[dict]:
     """One rank's loop: every layout, warmup + steps; returns rank 0's medians (others return [])."""
     from epdraft.dispatch.factory import make_dispatcher
     from epdraft.layers.moe import DraftMoE
@@ -98,63 +98,13 @@ def _time_layouts(rank: int, pc: ParallelConfig, spec: DraftMoeFFNSpec, hidden: 
                     for phase, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                         times[phase].append(dt * 1e3)
         dispatcher.close()
-        everyone = [None] * dist.get_world_size()
+        everyone = [None] * world
         dist.all_gather_object(everyone, times)
         slowest = {p: [max(r[p][s] for r in everyone) for s in range(a["steps"])] for p in PHASES}
         medians = {p: statistics.median(v) for p, v in slowest.items()}
         medians["step"] = statistics.median([sum(slowest[p][s] for p in PHASES) for s in range(a["steps"])])
         results.append({"layout": layout, "dp_padding": padding, "median_ms": medians})
     return results if rank == 0 else []
-
-
-def _rank_entry(rank: int, port: int, pc: ParallelConfig, spec: DraftMoeFFNSpec, hidden: int, a: dict, queue) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=pc.world_size,
-            timeout=datetime.timedelta(seconds=pc.cluster.timeout_s),
-        )
-        queue.put((rank, "ok", _time_layouts(rank, pc, spec, hidden, a)))
-    except BaseException:  # noqa: BLE001 - the traceback travels to the parent, which raises it
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _run_ranks(pc: ParallelConfig, spec: DraftMoeFFNSpec, hidden: int, a: dict) -> list[dict]:
-    """Spawn the world, wait for every rank (killing all at the deadline); rank 0's results."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [
-        ctx.Process(target=_rank_entry, args=(r, port, pc, spec, hidden, a, queue), daemon=True)
-        for r in range(pc.world_size)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 2 * pc.cluster.timeout_s
-    outcome: dict[int, tuple[str, object]] = {}
-    while len(outcome) < len(procs) and time.monotonic() < deadline:
-        if not queue.empty():
-            rank, status, payload = queue.get()
-            outcome[rank] = (status, payload)
-        elif not any(p.is_alive() for p in procs) and queue.empty():
-            break
-        else:
-            time.sleep(0.05)
-    for p in procs:
-        p.join(timeout=1)
-        if p.is_alive():
-            p.kill()
-    errors = [f"rank {r}: {payload}" for r, (status, payload) in sorted(outcome.items()) if status == "error"]
-    missing = [r for r in range(len(procs)) if r not in outcome]
-    if errors or missing:
-        raise ParallelError("bench dispatch failed:\n" + "\n".join(errors) + (f"\nranks {missing} did not finish" if missing else ""))
-    return outcome[0][1]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -165,7 +115,11 @@ def main(args: argparse.Namespace) -> int:
         router=RouterSpec(num_experts=args.experts, top_k=args.top_k), intermediate_size=args.intermediate
     )
     a = {"rows": args.rows, "steps": args.steps, "warmup": args.warmup}
-    results = _run_ranks(pc, spec, args.hidden, a)
+    # Ranks are killed at twice the collective timeout: a hang shows up as a ParallelError naming them.
+    results = run_local_ranks(
+        pc.world_size, _time_layouts, pc, spec, args.hidden, a,
+        timeout_s=2 * pc.cluster.timeout_s, pg_timeout_s=pc.cluster.timeout_s,
+    )[0]
     d = pc.draft
     header = {
         "bench": "dispatch",

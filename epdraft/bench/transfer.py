@@ -10,20 +10,16 @@ transport's `send_buffer` once, so no staging copy is timed.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import re
-import socket
 import statistics
 import time
-import traceback
 
 import msgspec
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from epdraft.errors import ConfigError, ParallelError
+from epdraft.errors import ConfigError
+from epdraft.worker.spawn import run_local_ranks
 from epdraft.worker.transfer import TRANSPORTS, BufferSpec, StepPayload, make_transport, mooncake_unavailable_reason
 
 DEFAULT_SIZES = "0x20480,64x20480,1MiB,64MiB"
@@ -95,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
     if not kinds or not cases:
         raise ConfigError("bench transfer: nothing to measure (no available transport or no size)")
 
-    timings = _spawn(kinds, cases, args.iters, args.timeout)
+    timings = run_local_ranks(2, _rank, kinds, cases, args.iters, timeout_s=args.timeout, pg_timeout_s=args.timeout)
     results = [
         _summarize(kind, case, timings[0][f"{kind}/{case.label}"], timings[1][f"{kind}/{case.label}"])
         for kind in kinds
@@ -153,57 +149,10 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _spawn(kinds: list[str], cases: list[Case], iters: int, timeout_s: float) -> list[dict[str, list[float]]]:
-    """Run `_rank` on 2 spawned processes; return each rank's timestamps keyed 'kind/label'."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, port, kinds, cases, iters, timeout_s, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[str, object]] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(results) < 2 and time.monotonic() < deadline and any(p.is_alive() for p in procs):
-        while not queue.empty():
-            rank, status, payload = queue.get()
-            results[rank] = (status, payload)
-        time.sleep(0.05)
-    while not queue.empty():
-        rank, status, payload = queue.get()
-        results[rank] = (status, payload)
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    failed = [f"rank {r}: {payload}" for r, (status, payload) in sorted(results.items()) if status != "ok"]
-    missing = [r for r in range(2) if r not in results]
-    if failed or missing:
-        late = f"\nranks {missing} did not finish within {timeout_s:.0f} s (killed)" if missing else ""
-        raise ParallelError("bench transfer failed:\n" + "\n".join(failed) + late)
-    return [results[0][1], results[1][1]]
-
-
-def _rank(rank: int, port: int, kinds: list[str], cases: list[Case], iters: int, timeout_s: float, queue) -> None:
-    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=2,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
-        stamps = {f"{k}/{c.label}": _measure(rank, k, c, iters) for k in kinds for c in cases}
-        queue.put((rank, "ok", stamps))
-    except BaseException:  # noqa: BLE001 - the text travels to the parent, which raises it
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _rank(rank: int, world: int, kinds: list[str], cases: list[Case], iters: int) -> dict[str, list[float]]:
+    """One rank's timestamps for every transport and size, keyed 'kind/label'."""
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # before any transport imports mooncake
+    return {f"{k}/{c.label}": _measure(rank, k, c, iters) for k in kinds for c in cases}
 
 
 def _measure(rank: int, kind: str, case: Case, iters: int) -> list[float]:
