@@ -8,6 +8,7 @@ tiny CPU target does not need batching).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,6 +16,13 @@ import torch
 
 from epdraft.errors import ConfigError, LoadError, RequestError
 from epdraft.target.base import PrefillResult, VerifyResult, greedy_accept, validate_prompt
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword the model's forward takes its KV cache under: `cache` on recent transformers 5.x,
+    `past_key_values` on earlier 5.x (5.17 on the GPU image). The wrong one is swallowed by
+    `**kwargs`: the model then fills a throw-away cache and ours stays empty."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class HFTarget:
@@ -27,6 +35,7 @@ class HFTarget:
     def __init__(self, model: torch.nn.Module, feature_layer_ids: Sequence[int]):
         cfg = model.config
         self.model = model.eval()
+        self._cache_kw = cache_kwarg(model)
         self.hidden_size: int = cfg.hidden_size
         self.vocab_size: int = cfg.vocab_size
         self.num_layers: int = cfg.num_hidden_layers
@@ -66,7 +75,9 @@ class HFTarget:
 
     def _run(self, ids_T: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward ids [T] on top of `cache` (extended in place) -> (greedy preds [T], features [T, K*H])."""
-        out = self.model(input_ids=ids_T.to(self.device).unsqueeze(0), cache=cache, use_cache=True, output_hidden_states=True)
+        out = self.model(
+            input_ids=ids_T.to(self.device).unsqueeze(0), use_cache=True, output_hidden_states=True, **{self._cache_kw: cache}
+        )
         feats = torch.cat([out.hidden_states[j + 1][0] for j in self.feature_layer_ids], dim=-1)
         return out.logits[0].argmax(dim=-1), feats
 

@@ -19,6 +19,7 @@ import torch
 from epdraft.errors import RequestError
 from epdraft.runtime import DraftRuntime
 from epdraft.target.base import Target
+from epdraft.target.hf import cache_kwarg
 from epdraft.worker.timing import PhaseTimers
 
 log = logging.getLogger(__name__)
@@ -148,10 +149,11 @@ def greedy_reference(target_model: torch.nn.Module, prompt: list[int], max_new_t
 
     device = target_model.get_input_embeddings().weight.device
     cache = DynamicCache(config=target_model.config)
+    kw = cache_kwarg(target_model)
     ids = torch.tensor([prompt], device=device)
     tokens: list[int] = []
     while len(tokens) < max_new_tokens:
-        logits = target_model(input_ids=ids, cache=cache, use_cache=True).logits
+        logits = target_model(input_ids=ids, use_cache=True, **{kw: cache}).logits
         tokens.append(int(logits[0, -1].argmax()))
         ids = torch.tensor([[tokens[-1]]], device=device)
     return tokens
