@@ -19,7 +19,7 @@ from epdraft.layers.mlp import DraftMLP
 from epdraft.layers.moe import DraftMoE
 from epdraft.layers.moe_context import MoeContext
 from epdraft.models.attention import DFlashAttention, RMSNorm
-from epdraft.models.cache import DraftCache, context_mask, padded_context
+from epdraft.models.cache import ContextScratch, DraftCache, context_mask, padded_context
 from epdraft.models.spec import DraftModelSpec
 
 
@@ -162,8 +162,10 @@ class DFlashDraft(nn.Module):
         starts = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
         positions_NB = starts.unsqueeze(1) + torch.arange(B, device=device)
         allowed = context_mask(caches, B, device)
+        scratch = ContextScratch()
         for i, layer in enumerate(self.layers):
-            k, v = padded_context(caches, i, x, layer.self_attn.num_kv_heads, layer.self_attn.head_dim)
+            attn = layer.self_attn
+            k, v = padded_context(caches, i, x, attn.num_kv_heads, attn.head_dim, scratch)
             x = layer(x, positions_NB, k, v, allowed)
         return self.norm(x)
 

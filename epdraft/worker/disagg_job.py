@@ -1,9 +1,10 @@
 """The `run` job under `placement.mode = "disaggregated"`: target ranks and draft ranks apart.
 
-Every rank loads the target (a target rank to prefill and verify, a draft rank only for the
-embedding and lm_head the draft reads through). Target ranks split the prompts among themselves
-like colocated DP ranks do, pair with a draft rank (`epdraft.worker.pairing`) and talk to it over
-`placement.transfer`; rank 0 (a target rank) gathers every rank's report and prints the summary.
+A target rank loads the whole target (to prefill and verify); a draft rank reads only the
+embedding and lm_head the draft reads through (`epdraft.target.heads.HFHeads`). Target ranks split
+the prompts among themselves like colocated DP ranks do, pair with a draft rank
+(`epdraft.worker.pairing`) and talk to it over `placement.transfer`; rank 0 (a target rank) gathers
+every rank's report and prints the summary.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from epdraft.errors import RequestError
 from epdraft.launch import is_loopback
 from epdraft.models.spec import check_against_target
 from epdraft.runtime import DraftRuntime, draft_spec
+from epdraft.target.heads import HFHeads
 from epdraft.target.hf import HFTarget
 from epdraft.worker.disagg import serve_draft_rank, serve_target_rank, target_buffer_spec
 from epdraft.worker.generate import RankReport, RequestOutcome, assign_prompts
@@ -57,20 +59,25 @@ def run_disagg_job(pc: ParallelConfig, config_path: str, groups: Groups | None, 
     link = PeerLink(ControlChannel(control, torch.device("cpu"), use_tags=True), transport,
                     role="draft" if groups is not None else "target", block_size=spec.block_size)  # fmt: skip
     dtype = getattr(torch, job.dtype)
-    target = HFTarget.from_pretrained(job.target, spec.target_layer_ids, dtype=dtype, device=device)
-    check_against_target(
-        spec, hidden_size=target.hidden_size, num_layers=target.num_layers, vocab_size=target.vocab_size
-    )
     timers = PhaseTimers(device)
     prompts = read_prompts(job.prompts, job.max_prompts)
+    target: HFTarget | None = None
     try:
         if groups is not None:
-            report = _serve_draft(pc, job, groups, target, link, timers, rank)
+            heads = HFHeads.from_pretrained(job.target, dtype=dtype, device=device)
+            check_against_target(
+                spec, hidden_size=heads.hidden_size, num_layers=heads.num_layers, vocab_size=heads.vocab_size
+            )
+            report = _serve_draft(pc, job, groups, heads, link, timers, rank)
         else:
+            target = HFTarget.from_pretrained(job.target, spec.target_layer_ids, dtype=dtype, device=device)
+            check_against_target(
+                spec, hidden_size=target.hidden_size, num_layers=target.num_layers, vocab_size=target.vocab_size
+            )
             report = _serve_target(pc, target, link, prompts, timers, rank, job)
     finally:
         link.close()
-    if groups is None and job.check_lossless:
+    if target is not None and job.check_lossless:
         attach_references(report, target, prompts, job.max_new_tokens)
     return report_to_root(
         report, job, config_path, pc.draft.moe_layout, group=None, root=0, select=lambda rs: _target_reports(pc, rs)
@@ -112,12 +119,12 @@ def _serve_target(
 
 
 def _serve_draft(
-    pc: ParallelConfig, job: RunJob, groups: Groups, target: HFTarget, link: PeerLink, timers: PhaseTimers, rank: int
+    pc: ParallelConfig, job: RunJob, groups: Groups, heads: HFHeads, link: PeerLink, timers: PhaseTimers, rank: int
 ) -> RankReport:
     targets = paired_target_ranks(pc, rank)
     log.info("draft DP rank %d serves target ranks %s", groups.dp_rank, list(targets))
     runtime = DraftRuntime.from_config(
-        pc, job.draft, target, groups=groups, dtype=target.model.dtype, device=target.device, timers=timers
+        pc, job.draft, heads, groups=groups, dtype=heads.dtype, device=heads.device, timers=timers
     )
     try:
         link.register_as_draft(targets)
