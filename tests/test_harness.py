@@ -2,6 +2,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from epdraft.errors import ParallelError
+from epdraft.worker.spawn import run_local_ranks
 from tests.harness import run_ranks
 
 
@@ -41,3 +43,14 @@ def test_run_ranks_names_the_failing_rank():
 def test_run_ranks_kills_a_hung_rank():
     with pytest.raises(AssertionError, match=r"ranks \[0\] did not finish"):
         run_ranks(2, _hang_on_one, timeout_s=25)
+
+
+def test_nccl_refused_with_fewer_gpus_than_ranks():
+    world = torch.cuda.device_count() + 1
+    with pytest.raises(ParallelError, match=rf"{world} NCCL ranks need {world} GPUs \(one each\), torch sees {world - 1}"):
+        run_local_ranks(world, _sum_ranks, backend="nccl")
+
+
+def test_unknown_backend_refused():
+    with pytest.raises(ParallelError, match=r"backend = 'mpi', expected one of gloo, nccl"):
+        run_local_ranks(2, _sum_ranks, backend="mpi")

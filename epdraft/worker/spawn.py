@@ -1,8 +1,8 @@
-"""Run a function on N local gloo ranks with a deadline: the one spawner for tests and benchmarks.
+"""Run a function on N local ranks with a deadline: the one spawner for tests and benchmarks.
 
 Each rank is a spawned process (fresh interpreter, no forked CUDA or thread state) that joins a gloo
-world on 127.0.0.1 at a free port, calls `fn(rank, world, ...)` and sends its result, or its
-traceback as text, back through a queue. A rank still running at the deadline is killed, so a hang
+(CPU) or NCCL (rank r on cuda:r) world on 127.0.0.1 at a free port, calls `fn(rank, world, ...)` and
+sends its result, or its traceback as text, back through a queue. A rank still running at the deadline is killed, so a hang
 ends as a `ParallelError` naming the rank instead of a stuck job.
 """
 
@@ -14,7 +14,7 @@ import os
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _EXIT_GRACE_S = 5.0  # how long a rank that reported may take to tear down its group before it is killed
+BACKENDS = ("gloo", "nccl")
 
 
 def free_port() -> int:
@@ -36,18 +37,33 @@ def free_port() -> int:
 
 
 def _rank_main(
-    rank: int, world: int, port: int, pg_timeout_s: float, fn: Callable, args: tuple, kwargs: dict, queue
+    rank: int,
+    world: int,
+    port: int,
+    pg_timeout_s: float,
+    backend: str,
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    queue,
 ) -> None:
     """Child process body: one thread, join the world, run `fn`, report `(rank, ok, result | traceback)`."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)  # N ranks share this host's cores; the env var alone is read too late
     try:
+        device_kwargs: dict[str, torch.device] = {}
+        if backend == "nccl":
+            # Before init: NCCL binds its communicators to the current device, and device_id makes
+            # the default group eager, so a rank without its GPU fails here rather than in fn.
+            torch.cuda.set_device(rank)
+            device_kwargs["device_id"] = torch.device("cuda", rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(seconds=pg_timeout_s),
+            **device_kwargs,
         )
         queue.put((rank, True, fn(rank, world, *args, **kwargs)))
     except BaseException:  # noqa: BLE001 - the text travels to the parent, which raises it naming this rank
@@ -95,20 +111,34 @@ def _stop(procs: list, reported: set[int]) -> list[int]:
 
 
 def run_local_ranks(
-    world: int, fn: Callable, *args: Any, timeout_s: float = 120.0, pg_timeout_s: float = 60.0, **kwargs: Any
+    world: int,
+    fn: Callable,
+    *args: Any,
+    timeout_s: float = 120.0,
+    pg_timeout_s: float = 60.0,
+    backend: Literal["gloo", "nccl"] = "gloo",
+    **kwargs: Any,
 ) -> list[Any]:
-    """Run `fn(rank, world, *args, **kwargs)` on `world` spawned gloo ranks; return the results in rank order.
+    """Run `fn(rank, world, *args, **kwargs)` on `world` spawned ranks; return the results in rank order.
 
-    `fn` must be a module-level (picklable) function; the default process group is initialized
-    before it runs and destroyed after. `pg_timeout_s` bounds each collective, `timeout_s` the whole
-    run. Raises ParallelError carrying every failing rank's traceback and naming the ranks that did
+    `fn` must be a module-level (picklable) function; the default process group (`backend`: gloo on
+    CPU, or NCCL with rank r on cuda:r, set as the current device before init) is initialized before
+    it runs and destroyed after. `pg_timeout_s` bounds each collective, `timeout_s` the whole run.
+    Raises ParallelError for an unknown backend or fewer visible GPUs than ranks under NCCL (before
+    any process starts), and carrying every failing rank's traceback and naming the ranks that did
     not finish (killed at the deadline) or exited without reporting.
     """
+    if backend not in BACKENDS:
+        raise ParallelError(f"run_local_ranks: backend = {backend!r}, expected one of {', '.join(BACKENDS)}")
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        raise ParallelError(
+            f"run_local_ranks: {world} NCCL ranks need {world} GPUs (one each), torch sees {torch.cuda.device_count()}"
+        )
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, pg_timeout_s, fn, args, kwargs, queue), daemon=True)
+        ctx.Process(target=_rank_main, args=(r, world, port, pg_timeout_s, backend, fn, args, kwargs, queue), daemon=True)
         for r in range(world)
     ]
     outcome: dict[int, tuple[bool, Any]] = {}
@@ -125,5 +155,5 @@ def run_local_ranks(
               if r not in outcome and r not in killed]
     if failed or silent:
         name = getattr(fn, "__qualname__", repr(fn))
-        raise ParallelError(f"{name} on {world} local ranks failed:\n" + "\n".join(failed + silent))
+        raise ParallelError(f"{name} on {world} local {backend} ranks failed:\n" + "\n".join(failed + silent))
     return [outcome[r][1] for r in range(world)]

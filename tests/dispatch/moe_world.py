@@ -4,10 +4,16 @@ Each case builds a single-process DraftMoE holding every expert (the reference) 
 sharded DraftMoE (its e = E/ep experts and F = I/tp slice, weights sliced from the reference),
 then runs many steps of random per-rank row counts through StepSync -> DraftMoE and compares
 every rank's output with the reference on the same rows.
+
+The same code runs on gloo CPU ranks in fp32 (tests/dispatch) and on NCCL GPU ranks in bf16
+(tests/gpu/test_dispatch_nccl.py): `WorldOptions` says which; each test applies its own tolerance
+to the errors reported (fp32: worst relative to max|y|; bf16: max and mean |dy| relative to mean|y|).
+StepSync always runs on a gloo group, as in the worker (the `cpu` group of `Groups`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
@@ -21,6 +27,7 @@ from epdraft.worker.dp_sync import StepSync
 
 HIDDEN = 16
 INTERMEDIATE = 8
+GATHER_SPLITS = [(2, 1), (4, 1), (2, 2), (1, 2)]
 ROUTERS = {
     "softmax": RouterSpec(num_experts=8, top_k=2, scoring="softmax"),
     "sigmoid_grouped_bias": RouterSpec(
@@ -36,13 +43,70 @@ ROUTERS = {
 }
 
 
-def moe_spec(router: str) -> DraftMoeFFNSpec:
-    return DraftMoeFFNSpec(router=ROUTERS[router], intermediate_size=INTERMEDIATE, shared_intermediate_size=12)
+@dataclasses.dataclass(frozen=True)
+class WorldOptions:
+    """Where and how a world runs its cases (picklable: it travels to the spawned ranks).
+
+    device: "cpu", or "cuda" (the rank's current GPU, set by the spawner). dtype: of the weights and
+    rows (the router stays fp32). hidden / intermediate: H and I of every case's MoE (DeepEP
+    low-latency needs H in its kernel list, Mooncake H % 128 == 0). max_tokens_per_rank,
+    low_latency: passed to make_dispatcher for the fixed-buffer backends.
+    """
+
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    hidden: int = HIDDEN
+    intermediate: int = INTERMEDIATE
+    max_tokens_per_rank: int = 0
+    low_latency: bool = False
 
 
-def reference_moe(spec: DraftMoeFFNSpec, seed: int) -> DraftMoE:
-    """The single-process DraftMoE with all experts, random weights (same on every rank)."""
-    moe = DraftMoE(spec, HIDDEN)
+CPU_FP32 = WorldOptions()
+
+
+def all_splits(world: int, num_experts: int = 8, intermediate: int = INTERMEDIATE) -> list[tuple[int, int]]:
+    """Every (ep, tp) with a MoE group of >= 2 ranks tiling `world`, ep | experts and tp | intermediate."""
+    return [
+        (ep, tp)
+        for ep in range(1, num_experts + 1)
+        for tp in range(1, world + 1)
+        if ep * tp >= 2 and world % (ep * tp) == 0 and num_experts % ep == 0 and intermediate % tp == 0
+    ]
+
+
+def gather_cases(world: int, splits: list[tuple[int, int]] = GATHER_SPLITS) -> list[tuple]:
+    """gather cases: both paddings and both routers for every split that tiles `world`."""
+    return [
+        ("gather", "torch", padding, ep, tp, router)
+        for ep, tp in splits
+        if world % (ep * tp) == 0
+        for padding in ("max_len", "sum_len")
+        for router in ROUTERS
+    ]
+
+
+def alltoall_cases(world: int, backend: str = "torch", eps: tuple[int, ...] = (2, 4, 8)) -> list[tuple]:
+    """alltoall cases (moe_tp = 1): every EP size in `eps` that tiles `world` and divides the experts, both routers."""
+    return [
+        ("alltoall", backend, "max_len", ep, 1, router)
+        for ep in eps
+        if world % ep == 0
+        for router, spec in ROUTERS.items()
+        if spec.num_experts % ep == 0
+    ]
+
+
+def moe_spec(router: str, intermediate: int = INTERMEDIATE) -> DraftMoeFFNSpec:
+    return DraftMoeFFNSpec(router=ROUTERS[router], intermediate_size=intermediate, shared_intermediate_size=12)
+
+
+def reference_moe(spec: DraftMoeFFNSpec, seed: int, options: WorldOptions = CPU_FP32) -> DraftMoE:
+    """The single-process DraftMoE with all experts, random weights (same on every rank).
+
+    Weights are drawn in fp32 on the CPU and copied (cast) to the options' device and dtype, so
+    every rank and every dtype starts from the same numbers.
+    """
+    moe = DraftMoE(spec, options.hidden, dtype=options.dtype, device=options.device)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in moe.parameters():
@@ -50,10 +114,10 @@ def reference_moe(spec: DraftMoeFFNSpec, seed: int) -> DraftMoE:
     return moe
 
 
-def sharded_moe(full: DraftMoE, ctx: MoeContext) -> DraftMoE:
+def sharded_moe(full: DraftMoE, ctx: MoeContext, options: WorldOptions = CPU_FP32) -> DraftMoE:
     """This rank's DraftMoE: experts [ep_rank*e, (ep_rank+1)*e), intermediate rows [tp_rank*F, (tp_rank+1)*F)."""
     spec = full.spec
-    moe = DraftMoE(spec, HIDDEN, moe_context=ctx)
+    moe = DraftMoE(spec, options.hidden, moe_context=ctx, dtype=options.dtype, device=options.device)
     e = spec.num_experts // ctx.ep_size
     F_ = spec.intermediate_size // ctx.tp_size
     experts = slice(ctx.ep_rank * e, (ctx.ep_rank + 1) * e)
@@ -99,45 +163,66 @@ def step_counts(rng: random.Random, world: int, step: int) -> list[int]:
     return [0] * world if step % 10 == 4 else [rng.randint(1, 4) for _ in range(world)]
 
 
-def run_cases(rank: int, world: int, cases: list[tuple], num_steps: int) -> dict:
+def cpu_group() -> dist.ProcessGroup:
+    """A gloo group over the whole world for StepSync (the world itself when it is gloo already)."""
+    if dist.get_backend() == dist.Backend.GLOO:
+        return dist.group.WORLD
+    return dist.new_group(list(range(dist.get_world_size())), backend="gloo")
+
+
+def run_cases(rank: int, world: int, cases: list[tuple], num_steps: int, options: WorldOptions = CPU_FP32) -> dict:
     """Run every (layout, backend, dp_padding, ep, tp, router) case for num_steps steps.
 
-    Returns per-case counts of compared steps and skipped steps, and the worst relative error.
+    Returns, per case: counts of compared steps, skipped (all-zero) steps and idle steps (this rank
+    had 0 rows while others had rows); `worst`, the largest max|dy| / max|y| of a step; `max_dy` and
+    `mean_dy`, the largest max|dy| / mean|y| and mean|dy| / mean|y| of a step (DESIGN.md's bf16 metric).
     """
-    sync = StepSync(dist.group.WORLD)
+    sync = StepSync(cpu_group())
+    groups: dict[tuple[int, int], dist.ProcessGroup] = {}
     step_id = 0
     report = {}
-    for case_idx, (layout, backend, padding, ep, tp, router) in enumerate(cases):
-        group = moe_group(rank, world, ep, tp)
+    for case_idx, case in enumerate(cases):
+        layout, backend, padding, ep, tp, router = case
+        if (ep, tp) not in groups:  # new_group is collective: every rank walks the same case list
+            groups[ep, tp] = moe_group(rank, world, ep, tp)
+        group = groups[ep, tp]
         g = dist.get_rank(group)
-        spec = moe_spec(router)
+        spec = moe_spec(router, options.intermediate)
         dispatcher = make_dispatcher(
-            layout, backend, group, spec.num_experts, HIDDEN, ep_size=ep, tp_size=tp, dp_padding=padding, top_k=spec.top_k
-        )
+            layout, backend, group, spec.num_experts, options.hidden, ep_size=ep, tp_size=tp, dp_padding=padding,
+            top_k=spec.top_k, max_tokens_per_rank=options.max_tokens_per_rank, low_latency=options.low_latency,
+        )  # fmt: skip
         ctx = MoeContext(ep_rank=g // tp, ep_size=ep, tp_rank=g % tp, tp_size=tp, dispatcher=dispatcher)
-        full = reference_moe(spec, seed=100 + case_idx)
-        moe = sharded_moe(full, ctx)
+        full = reference_moe(spec, 100 + case_idx, options)
+        moe = sharded_moe(full, ctx, options)
         rng = random.Random(case_idx)  # same sequence on every rank
-        worst, compared, skipped = 0.0, 0, 0
+        r = {"worst": 0.0, "max_dy": 0.0, "mean_dy": 0.0, "compared": 0, "skipped": 0, "idle": 0}
         for _ in range(num_steps):
             counts = step_counts(rng, world, step_id)
             plan = sync.sync(step_id, counts[rank])
             step_id += 1
             if plan.skip:
-                skipped += 1
+                r["skipped"] += 1
                 continue
             ctx.begin_step(plan)
             gen = torch.Generator().manual_seed(step_id * 1000 + rank)
-            x = torch.randn(counts[rank], HIDDEN, generator=gen)
+            x = torch.randn(counts[rank], options.hidden, generator=gen).to(options.device, options.dtype)
             with torch.no_grad():
                 y = moe(x)
                 ref = full(x)
-            if y.shape != ref.shape:
-                raise AssertionError(f"case {cases[case_idx]} step {step_id}: shape {tuple(y.shape)} != {tuple(ref.shape)}")
-            if x.shape[0]:
-                err = ((y - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
-                worst = max(worst, err)
-                compared += 1
+            if y.shape != ref.shape or y.dtype != ref.dtype:
+                raise AssertionError(
+                    f"case {case} step {step_id}: {tuple(y.shape)} {y.dtype} != reference {tuple(ref.shape)} {ref.dtype}"
+                )
+            if not x.shape[0]:
+                r["idle"] += 1
+                continue
+            dy, ref32 = (y.float() - ref.float()).abs(), ref.float().abs()
+            scale = ref32.mean().clamp_min(1e-12)
+            r["worst"] = max(r["worst"], (dy.max() / ref32.max().clamp_min(1e-12)).item())
+            r["max_dy"] = max(r["max_dy"], (dy.max() / scale).item())
+            r["mean_dy"] = max(r["mean_dy"], (dy.mean() / scale).item())
+            r["compared"] += 1
         dispatcher.close()
-        report[(layout, padding, ep, tp, router)] = {"worst": worst, "compared": compared, "skipped": skipped}
+        report[case] = r
     return report

@@ -4,21 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dispatch.moe_world import ROUTERS, run_cases
+from tests.dispatch.moe_world import gather_cases, run_cases
 from tests.harness import run_ranks
 
-SPLITS = [(2, 1), (4, 1), (2, 2), (1, 2)]
 STEPS = 50
-
-
-def _cases(world: int) -> list[tuple]:
-    return [
-        ("gather", "torch", padding, ep, tp, router)
-        for ep, tp in SPLITS
-        if world % (ep * tp) == 0
-        for padding in ("max_len", "sum_len")
-        for router in ROUTERS
-    ]
 
 
 def _check(reports: list[dict], cases: list[tuple]) -> None:
@@ -31,13 +20,13 @@ def _check(reports: list[dict], cases: list[tuple]) -> None:
 
 @pytest.mark.timeout(150)
 def test_gather_equals_reference_on_4_ranks():
-    cases = _cases(4)
+    cases = gather_cases(4)
     assert len(cases) == 16
     _check(run_ranks(4, run_cases, cases, STEPS, timeout_s=140), cases)
 
 
 @pytest.mark.timeout(90)
 def test_gather_equals_reference_on_2_ranks():
-    cases = _cases(2)
+    cases = gather_cases(2)
     assert {(c[3], c[4]) for c in cases} == {(2, 1), (1, 2)}
     _check(run_ranks(2, run_cases, cases, STEPS, timeout_s=80), cases)
