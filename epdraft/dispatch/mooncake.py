@@ -18,7 +18,7 @@ from epdraft.dispatch.rows import group_counts
 from epdraft.dispatch.setup import DispatchSetup
 from epdraft.errors import ConfigError, ParallelError
 
-INSTALL = "pip install 'epdraft[mooncake]' (a CUDA build of mooncake-transfer-engine)"
+INSTALL = "pip install 'epdraft[mooncake-cuda13]' (Mooncake EP ships only in the CUDA builds)"
 _MAX_TOKENS_PER_RANK = 1024
 _TIMEOUT_US = 30_000_000  # a peer silent for 30 s is dead, not slow
 

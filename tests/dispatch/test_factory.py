@@ -55,7 +55,7 @@ def test_factory_builds_or_refuses_with_reason():
     # The first missing piece is named: the package with its install command, else CUDA.
     for key, module, install in (
         ("deepep_gloo", "deep_ep", "pip install 'epdraft[deepep]'"),
-        ("mooncake_gloo", "mooncake.mooncake_ep_buffer", "pip install 'epdraft[mooncake]'"),
+        ("mooncake_gloo", "mooncake.mooncake_ep_buffer", "pip install 'epdraft[mooncake-cuda13]'"),
     ):
         if importlib.util.find_spec(module.split(".")[0]) is None:
             assert f"{module} is not installed: {install}" in out[key]
