@@ -29,6 +29,7 @@ from epdraft.dispatch.plan import StepPlan
 from epdraft.dispatch.planner import choose_for_config
 from epdraft.errors import ConfigError, RequestError
 from epdraft.layers.moe import DraftMoE
+from epdraft.layers.moe_context import MoeContext
 from epdraft.models.cache import DraftCache
 from epdraft.models.checkpoint import load_draft
 from epdraft.models.dflash import DFlashDraft, TargetHeads
@@ -54,6 +55,15 @@ def draft_spec(draft_path: str | Path) -> DraftModelSpec:
     from epdraft.config.hf import read_config_json
 
     return DraftModelSpec.from_config(read_config_json(draft_path), source=str(Path(draft_path) / "config.json"))
+
+
+def resolve_layout(pc: ParallelConfig, draft_path: str | Path) -> tuple[str, str, str | None]:
+    """(moe_layout, dp_padding, why) as the config asks, `auto` resolved by the planner (why: its reason)."""
+    d = pc.draft
+    if d.moe_layout != "auto":
+        return d.moe_layout, d.dp_padding, None
+    choice = choose_for_config(pc, draft_spec(draft_path).ffn)
+    return choice.layout, choice.dp_padding, choice.reason
 
 
 class DraftRuntime:
@@ -115,7 +125,9 @@ class DraftRuntime:
         )
         if timers is not None:
             dispatcher = TimedDispatcher(dispatcher, timers)
-        ctx = groups.moe_context(dispatcher)
+        # Replicated: every rank holds every expert whatever the groups' ep x tp (auto may pick it on
+        # an EP config); the other layouts place this rank's expert shard by its group coordinates.
+        ctx = MoeContext(dispatcher=dispatcher) if moe_layout == "replicated" else groups.moe_context(dispatcher)
         draft = load_draft(draft_path, dtype=dtype, device=device, moe_context=ctx)
         sync = StepSync(groups.cpu, num_extras=num_extras)
         return cls(draft, heads, sync, timers=timers)
@@ -125,14 +137,17 @@ class DraftRuntime:
         cls, pc: ParallelConfig, draft_path: str | Path, heads: TargetHeads, *, groups: Groups, **kwargs
     ) -> "DraftRuntime":
         """As `build`, with the layout read from a ParallelConfig's `draft` section."""
-        d = pc.draft
-        layout, padding = d.moe_layout, d.dp_padding
-        if layout == "auto":
-            choice = choose_for_config(pc, draft_spec(draft_path).ffn)
-            layout, padding = choice.layout, choice.dp_padding
-            log.info("draft.moe_layout = 'auto' -> %s", choice.reason)
+        layout, padding, why = resolve_layout(pc, draft_path)
+        if why is not None:
+            log.info("draft.moe_layout = 'auto' -> %s", why)
         return cls.build(
-            draft_path, heads, groups=groups, moe_layout=layout, a2a_backend=d.a2a_backend, dp_padding=padding, **kwargs
+            draft_path,
+            heads,
+            groups=groups,
+            moe_layout=layout,
+            a2a_backend=pc.draft.a2a_backend,
+            dp_padding=padding,
+            **kwargs,
         )
 
     @property

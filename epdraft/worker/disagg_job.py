@@ -80,7 +80,7 @@ def run_disagg_job(pc: ParallelConfig, config_path: str, groups: Groups | None, 
     if target is not None and job.check_lossless:
         attach_references(report, target, prompts, job.max_new_tokens)
     return report_to_root(
-        report, job, config_path, pc.draft.moe_layout, group=None, root=0, select=lambda rs: _target_reports(pc, rs)
+        report, job, pc, config_path, group=None, root=0, select=lambda rs: _target_reports(pc, rs)
     )
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from epdraft.config.parallel import ParallelConfig
 from epdraft.errors import ConfigError
 from epdraft.models.spec import check_against_target
-from epdraft.runtime import DraftRuntime, draft_spec
+from epdraft.runtime import DraftRuntime, draft_spec, resolve_layout
 from epdraft.target.hf import HFTarget
 from epdraft.worker.generate import RankReport, assign_prompts, greedy_reference, serve_rank
 from epdraft.worker.groups import Groups
@@ -97,7 +97,14 @@ def run_job(pc: ParallelConfig, config_path: str, groups: Groups, job: RunJob) -
     if job.check_lossless:
         attach_references(report, target, prompts, job.max_new_tokens)
     root = dist.get_process_group_ranks(groups.cpu)[0]
-    return report_to_root(report, job, config_path, pc.draft.moe_layout, group=groups.cpu, root=root)
+    return report_to_root(report, job, pc, config_path, group=groups.cpu, root=root)
+
+
+def layout_label(pc: ParallelConfig, draft_path: str) -> str:
+    """The MoE layout as it runs (`auto` resolved), with the padding for gather: what the summary names."""
+    layout, padding, _ = resolve_layout(pc, draft_path)
+    label = f"{layout} ({padding})" if layout == "gather" else layout
+    return f"{label}, chosen by auto" if pc.draft.moe_layout == "auto" else label
 
 
 def attach_references(report: RankReport, target: HFTarget, prompts: list[list[int]], max_new_tokens: int) -> None:
@@ -110,8 +117,8 @@ def attach_references(report: RankReport, target: HFTarget, prompts: list[list[i
 def report_to_root(
     report: RankReport,
     job: RunJob,
+    pc: ParallelConfig,
     config_path: str,
-    layout: str,
     *,
     group: dist.ProcessGroup | None,
     root: int,
@@ -128,7 +135,9 @@ def report_to_root(
     if not is_root:
         return True
     reports = select([msgspec.msgpack.decode(b, type=RankReport) for b in gathered])
-    summary = summarize(reports, config=config_path, layout=layout)
+    summary = summarize(
+        reports, config=config_path, layout=layout_label(pc, job.draft), parallel_config=pc.to_dict()
+    )
     print(format_summary(summary), flush=True)
     if job.json_out:
         Path(job.json_out).write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")

@@ -27,6 +27,7 @@ class RunSummary(msgspec.Struct, kw_only=True):
     """
 
     config: str
+    parallel_config: dict
     layout: str
     ranks: int
     requests: int
@@ -62,8 +63,13 @@ def derive_phases(raw: dict[str, float]) -> dict[str, float]:
     }
 
 
-def summarize(reports: list[RankReport], *, config: str, layout: str) -> RunSummary:
-    """Combine every rank's report; phases are averaged over ranks, throughput uses the slowest rank."""
+def summarize(
+    reports: list[RankReport], *, config: str, layout: str, parallel_config: dict | None = None
+) -> RunSummary:
+    """Combine every rank's report; phases are averaged over ranks, throughput uses the slowest rank.
+
+    `parallel_config` (the resolved ParallelConfig as a dict) is saved with the numbers it produced.
+    """
     outcomes = sorted((o for r in reports for o in r.requests), key=lambda o: o.request_id)
     ok = [o for o in outcomes if o.error is None]
     accepts = [a for o in ok for a in o.accept_lens]
@@ -87,6 +93,7 @@ def summarize(reports: list[RankReport], *, config: str, layout: str) -> RunSumm
     mean_acc = sum(accepts) / len(accepts) if accepts else 0.0
     return RunSummary(
         config=config,
+        parallel_config=parallel_config or {},
         layout=layout,
         ranks=len(reports),
         requests=len(outcomes),

@@ -20,6 +20,7 @@ CASES = {
                          "--set", "draft.moe_layout=replicated", "--set", "draft.moe_ep=1"],
     "2rank-replicated": ["--set", "draft.moe_layout=replicated", "--set", "draft.moe_ep=1"],
     "2rank-alltoall": [],
+    "2rank-auto": ["--set", "draft.moe_layout=auto"],
     "2rank-gather-sum_len": ["--set", "draft.moe_layout=gather", "--set", "draft.dp_padding=sum_len"],
     "4rank-replicated": ["configs/local-cpu-4.toml", "--set", "draft.moe_layout=replicated",
                          "--set", "draft.moe_ep=1", "--set", "draft.moe_tp=1"],
