@@ -27,9 +27,11 @@ class MoeContext:
     plan: StepPlan | None = None
 
     def begin_step(self, plan: StepPlan) -> None:
+        """Set the agreed plan every MoE layer of this step dispatches with."""
         self.plan = plan
 
     def current_plan(self) -> StepPlan | None:
+        """This step's plan; ParallelError if a communicating layout runs before `begin_step`."""
         if self.plan is None and not isinstance(self.dispatcher, ReplicatedDispatcher):
             raise ParallelError("DraftMoE ran before MoeContext.begin_step(plan): the step's row counts are unknown")
         return self.plan

@@ -66,10 +66,12 @@ class HFTarget:
 
     @torch.no_grad()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [..., H] of ids [...] (the draft embeds its block with these)."""
         return self.model.get_input_embeddings()(ids.to(self.device))
 
     @torch.no_grad()
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] of hidden [..., H] (the draft reads its drafts out with this)."""
         head = self.model.get_output_embeddings()
         return head(hidden.to(head.weight.dtype))
 
@@ -83,6 +85,10 @@ class HFTarget:
 
     @torch.no_grad()
     def prefill(self, request_ids: Sequence[int], prompts: Sequence[Sequence[int]]) -> PrefillResult:
+        """Run each prompt into a fresh KV cache: the first token and every prompt row's features.
+
+        Raises RequestError naming the request for an empty prompt or an id outside the vocabulary.
+        """
         from transformers import DynamicCache
 
         firsts, lens, feats = [], [], []
@@ -106,6 +112,7 @@ class HFTarget:
 
     @torch.no_grad()
     def verify(self, request_ids: Sequence[int], blocks_NB: torch.Tensor) -> VerifyResult:
+        """Greedy-verify one block per request; each KV cache keeps only the committed rows."""
         N = blocks_NB.shape[0]
         if len(request_ids) != N:
             raise RequestError(f"verify got {len(request_ids)} request ids for {N} blocks")
@@ -141,6 +148,7 @@ class HFTarget:
         )
 
     def release(self, request_id: int) -> None:
+        """Drop a finished request's KV cache."""
         self._caches.pop(request_id, None)
 
     def seq_len(self, request_id: int) -> int:
