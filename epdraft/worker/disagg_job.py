@@ -60,7 +60,7 @@ def run_disagg_job(pc: ParallelConfig, config_path: str, groups: Groups | None, 
                     role="draft" if groups is not None else "target", block_size=spec.block_size)  # fmt: skip
     dtype = getattr(torch, job.dtype)
     timers = PhaseTimers(device)
-    prompts = read_prompts(job.prompts, job.max_prompts)
+    prompts = read_prompts(job.prompts, job.max_prompts, tokenizer_dir=job.target)
     target: HFTarget | None = None
     try:
         if groups is not None:

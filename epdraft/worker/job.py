@@ -37,29 +37,53 @@ class RunJob(msgspec.Struct, frozen=True, kw_only=True):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
-def read_prompts(path: str | Path, limit: int = 0) -> list[list[int]]:
-    """Token ids per prompt from a JSON-lines file: each line {"input_ids": [...]} (other keys ignored).
+def read_prompts(path: str | Path, limit: int = 0, *, tokenizer_dir: str | Path | None = None) -> list[list[int]]:
+    """Token ids per prompt from a JSON-lines file: each line {"input_ids": [...]} or {"text": "..."}.
 
-    A line that is not JSON or has no `input_ids` list is a ConfigError naming the file and line.
-    Ids are checked against the target's vocabulary per request later, so one bad prompt does
-    not stop the others.
+    `text` is tokenized with the tokenizer saved in `tokenizer_dir` (the target's directory); a line
+    that is not JSON, has neither key, or has text when there is no tokenizer is a ConfigError
+    naming the file and line. Ids are checked against the target's vocabulary per request later,
+    so one bad prompt does not stop the others.
     """
-    prompts = []
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
         raise ConfigError(f"--prompts {path}: cannot read: {e.strerror}") from e
+    tokenizer = None
+    prompts = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            ids = json.loads(line)["input_ids"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ConfigError(f"{path}:{n}: expected a JSON object with an 'input_ids' list") from e
-        if not isinstance(ids, list):
-            raise ConfigError(f"{path}:{n}: input_ids must be a list of token ids, got {type(ids).__name__}")
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{n}: not JSON ({e.msg})") from e
+        if not isinstance(record, dict) or not ("input_ids" in record or "text" in record):
+            raise ConfigError(f"{path}:{n}: expected a JSON object with 'input_ids' (a list of ids) or 'text'")
+        if "input_ids" in record:
+            ids = record["input_ids"]
+            if not isinstance(ids, list):
+                raise ConfigError(f"{path}:{n}: input_ids must be a list of token ids, got {type(ids).__name__}")
+        else:
+            if tokenizer is None:
+                tokenizer = _load_tokenizer(tokenizer_dir, f"{path}:{n}")
+            ids = tokenizer(record["text"], add_special_tokens=False)["input_ids"]
         prompts.append(ids)
     return prompts[:limit] if limit else prompts
+
+
+def _load_tokenizer(directory: str | Path | None, where: str):
+    """The HF tokenizer saved with the target; ConfigError naming the prompt line when there is none."""
+    from transformers import AutoTokenizer
+
+    try:
+        if directory is None:
+            raise OSError("no target directory")
+        return AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"{where}: has 'text' but no tokenizer could be loaded from {directory} ({e}); give 'input_ids' instead"
+        ) from e
 
 
 def run_job(pc: ParallelConfig, config_path: str, groups: Groups, job: RunJob) -> bool:
@@ -81,7 +105,7 @@ def run_job(pc: ParallelConfig, config_path: str, groups: Groups, job: RunJob) -
         pc, job.draft, target, groups=groups, dtype=dtype, device=device, num_extras=2, timers=timers
     )
     try:
-        prompts = read_prompts(job.prompts, job.max_prompts)
+        prompts = read_prompts(job.prompts, job.max_prompts, tokenizer_dir=job.target)
         mine = assign_prompts([len(p) for p in prompts], job.max_new_tokens, groups.dp_size)[groups.dp_rank]
         log.info("%d of %d prompts on this rank", len(mine), len(prompts))
         report = serve_rank(
