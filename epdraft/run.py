@@ -27,7 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="parallel config (default: local-cpu-2)")
     parser.add_argument("--draft", default=str(ASSETS / "tiny-draft"), help="draft export directory (default: tiny pair)")
     parser.add_argument("--target", default=str(ASSETS / "tiny-target"), help="HF target directory (default: tiny pair)")
-    parser.add_argument("--prompts", default=str(ASSETS / "prompts.jsonl"), help="JSON-lines prompts: {\"input_ids\": [...]} or {\"text\": ...} per line")
+    parser.add_argument(
+        "--prompts",
+        default=str(ASSETS / "prompts.jsonl"),
+        help='JSON-lines prompts, {"input_ids": [...]} or {"text": "..."} per line',
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     parser.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (default all)")
     parser.add_argument("--no-lossless-check", action="store_true", help="skip the target-only reference decode")
