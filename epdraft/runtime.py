@@ -201,8 +201,10 @@ class DraftRuntime:
     def commit(self, result: VerifyResult) -> None:
         """Append each verified request's committed rows (anchor + accepted drafts) to its context."""
         with self._phase("draft_context"):
-            for i, rid in enumerate(result.request_ids):
-                self.draft.extend_context(self._caches[rid], result.features[result.rows(i)])
+            self.draft.extend_contexts(
+                [self._caches[rid] for rid in result.request_ids],
+                [result.features[result.rows(i)] for i in range(len(result.request_ids))],
+            )
 
     def close(self) -> None:
         """Free the dispatcher's buffers."""

@@ -8,6 +8,7 @@ B-1 greedy drafts (mask-filling readout).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -120,18 +121,30 @@ class DFlashDraft(nn.Module):
         """target_hidden [..., H] = hidden_norm(fc(features)), features [..., K*H] in target_layer_ids order."""
         return self.hidden_norm(self.fc(features_LF.to(self.fc.weight.dtype)))
 
-    @torch.no_grad()
     def extend_context(self, cache: DraftCache, features_LF: torch.Tensor) -> None:
         """Append the committed rows' target features [L, K*H] to a request's context (local, no FFN)."""
-        L = features_LF.shape[0]
-        if L == 0:
+        self.extend_contexts([cache], [features_LF])
+
+    @torch.no_grad()
+    def extend_contexts(self, caches: Sequence[DraftCache], features: Sequence[torch.Tensor]) -> None:
+        """`extend_context` for many requests at once: one fc and one K/V projection per layer over
+        all their new rows (rows are independent: each keeps its own request's positions), then
+        each request's slice goes to its cache. Per-request calls are launch-bound on a GPU."""
+        lens = [f.shape[0] for f in features]
+        if sum(lens) == 0:
             return
-        target_hidden = self.fuse_features(features_LF).unsqueeze(0)
-        positions = torch.arange(cache.length, cache.length + L, device=features_LF.device).unsqueeze(0)
+        device = features[0].device
+        target_hidden = self.fuse_features(torch.cat(list(features))).unsqueeze(0)
+        positions = torch.cat(
+            [torch.arange(c.length, c.length + n, device=device) for c, n in zip(caches, lens)]
+        ).unsqueeze(0)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.context_kv(target_hidden, positions)
-            cache.append(i, k[0], v[0])
-        cache.length += L
+            for cache, k_gLD, v_gLD in zip(caches, k[0].split(lens, dim=1), v[0].split(lens, dim=1)):
+                if k_gLD.shape[1]:
+                    cache.append(i, k_gLD, v_gLD)
+        for cache, n in zip(caches, lens):
+            cache.length += n
 
     def forward(
         self,

@@ -152,3 +152,24 @@ def test_speculative_generate_is_lossless_with_a_random_draft():
                                  do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
     assert out.tokens == want
     assert all(0 <= a <= draft.block_size - 1 for a in out.accept_lens)
+
+
+def test_batched_extend_contexts_equals_one_request_at_a_time():
+    """Many requests' new rows in one fc / K/V projection land in each cache as if appended alone."""
+    draft = make_draft(seed=3)
+    K = draft.spec.num_target_features
+    gen = torch.Generator().manual_seed(7)
+    steps = [[5, 0, 3], [2, 4, 1]]  # rows per request per step, a request with none included
+    alone = [draft.new_cache() for _ in range(3)]
+    batched = [draft.new_cache() for _ in range(3)]
+    for lens in steps:
+        feats = [torch.randn(n, K * H, generator=gen) for n in lens]
+        for cache, f in zip(alone, feats):
+            draft.extend_context(cache, f)
+        draft.extend_contexts(batched, feats)
+    for a, b in zip(alone, batched):
+        assert a.length == b.length
+        for layer in range(draft.spec.num_layers):
+            (ka, va), (kb, vb) = a.kv(layer), b.kv(layer)
+            torch.testing.assert_close(kb, ka, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(vb, va, rtol=1e-5, atol=1e-6)
