@@ -2,7 +2,9 @@
 
 Every path runs on the same random routing; the fused and grouped_mm paths are timed as CUDA-graph
 replays (median of `triton.testing.do_bench`), the reference loop eagerly (it synchronizes with the
-host). Bytes moved = distinct experts hit x 3*I*H*itemsize + x read + y written; the roofline is
+host). `fused` is the whole forward; `align` the routing setup alone; `gemms` the fused forward
+without it (both GEMMs and the top-k sum on a precomputed routing setup), the part comparable to
+kernel-only timings of other fused-MoE kernels. Bytes moved = distinct experts hit x 3*I*H*itemsize + x read + y written; the roofline is
 the 4.3 TB/s a device-to-device copy reaches on one H200. With `--tune`, the listed shapes are
 tuned first and their tables written to `--config-dir`, which the benchmark then reads.
 """
@@ -92,7 +94,7 @@ def _bench_one(name: str, num_tokens: int, weights: tuple, dtype: torch.dtype, c
     from triton.testing import do_bench
 
     from epdraft.kernels.align import align_pairs
-    from epdraft.kernels.fused_moe import fused_experts_with_config
+    from epdraft.kernels.fused_moe import down_combine, fused_experts_with_config, up_act
 
     E, I, H, K = SHAPES[name]
     w13, w2 = weights
@@ -111,6 +113,10 @@ def _bench_one(name: str, num_tokens: int, weights: tuple, dtype: torch.dtype, c
 
     fused_us = _graph_us(lambda: fused_experts_with_config(x, ids, topk_w, w13, w2, act, None, None, config))
     align_us = _graph_us(lambda: align_pairs(ids.view(-1), E, config.block_m))
+    aligned = align_pairs(ids.view(-1), E, config.block_m)
+    gemms_us = _graph_us(
+        lambda: down_combine(up_act(x, aligned, w13, None, act, config.up), aligned, ids, topk_w, w2, None, config.down)
+    )
     grouped_us = _graph_us(lambda: grouped_mm_experts(x, ids, topk_w, w13, w2, act))
     ref_us = do_bench(lambda: experts_reference(x, ids, topk_w, w13, w2, act), warmup=5, rep=30, return_mode="median")
     ref_us *= 1e3
@@ -130,6 +136,7 @@ def _bench_one(name: str, num_tokens: int, weights: tuple, dtype: torch.dtype, c
         "config": msgspec.to_builtins(config),
         "fused_us": fused_us,
         "align_us": align_us,
+        "gemms_us": gemms_us,
         "grouped_mm_us": grouped_us,
         "reference_us": ref_us,
         "experts_hit": experts_hit,
@@ -164,7 +171,8 @@ def main(args: argparse.Namespace) -> int:
         "date": datetime.date.today().isoformat(),
     }
     rows = []
-    header = f"{'shape':>5} {'T':>5} {'fused us':>9} {'align us':>8} {'gmm us':>8} {'ref us':>9} {'bytes MB':>9}"
+    header = f"{'shape':>5} {'T':>5} {'fused us':>9} {'align us':>8} {'gemms us':>8} {'gmm us':>8} {'ref us':>9}"
+    header += f" {'bytes MB':>9}"
     header += f" {'%roof':>6} {'TFLOP/s':>8} {'x gmm':>6} {'max err':>8}"
     print(header)
     for name in _parse_shapes(args.shapes):
@@ -177,7 +185,7 @@ def main(args: argparse.Namespace) -> int:
             rows.append(row)
             print(
                 f"{name:>5} {num_tokens:>5} {row['fused_us']:>9.1f} {row['align_us']:>8.1f}"
-                f" {row['grouped_mm_us']:>8.1f}"
+                f" {row['gemms_us']:>8.1f} {row['grouped_mm_us']:>8.1f}"
                 f" {row['reference_us']:>9.1f} {row['bytes'] / 1e6:>9.1f} {row['roofline_pct']:>6.1f}"
                 f" {row['tflops']:>8.1f} {row['speedup_vs_grouped_mm']:>6.2f} {row['max_err_rel']:>8.4f}",
                 flush=True,

@@ -2,7 +2,8 @@
 
 Four launches, no host synchronization (CUDA-graph safe):
     align_pairs        pairs sorted by expert into block-padded groups
-    gemm1_act_kernel   h = act(x W13^T + b13) per sorted row (gate and up tiles in one program)
+    gemm1_act_kernel   h = act(x W13^T + b13) per sorted row (gate and up tiles in one program;
+                       with split-K, the last program of a tile sums the partials and activates)
     gemm2_weight_kernel  w_pair * (h W2^T + b2) per pair (and per split of F)
     topk_sum_kernel    y[t] = sum over the token's pairs (and splits) in fp32, in a fixed order
 With one choice per row (K = 1, e.g. rows an all-to-all dispatcher delivered) and no split, the
@@ -125,18 +126,28 @@ def up_act(
     T, H = x_TH.shape
     e, N, _ = w13_eNH.shape
     F_ = N // 2
-    h_MF = torch.empty(aligned.sorted_pairs_M.shape[0], F_, dtype=x_TH.dtype, device=x_TH.device)
-    grid = (aligned.max_blocks * _cdiv(F_, up.block_n),)
+    max_rows = aligned.sorted_pairs_M.shape[0]
+    h_MF = torch.empty(max_rows, F_, dtype=x_TH.dtype, device=x_TH.device)
+    n_tiles = _cdiv(F_, up.block_n)
+    if up.split_k > 1:
+        partials = torch.empty(up.split_k, max_rows, N, dtype=torch.float32, device=x_TH.device)
+        arrived = torch.zeros(aligned.max_blocks * n_tiles, dtype=torch.int32, device=x_TH.device)
+    else:
+        partials = arrived = h_MF  # not read
+    grid = (aligned.max_blocks * n_tiles * up.split_k,)
     gemm1_act_kernel[grid](
         x_TH,
         w13_eNH,
         b13_eN if b13_eN is not None else w13_eNH,
         h_MF,
+        partials,
+        arrived,
         aligned.sorted_pairs_M,
         aligned.block_expert_B,
         aligned.num_padded_1,
         aligned.num_pairs,
         aligned.max_blocks,
+        up.group_m or aligned.max_blocks,
         F_,
         H,
         x_TH.stride(0),
@@ -145,13 +156,15 @@ def up_act(
         w13_eNH.stride(1),
         b13_eN.stride(0) if b13_eN is not None else 0,
         h_MF.stride(0),
+        partials.stride(0) if up.split_k > 1 else 0,
         float(act.limit),
         float(act.alpha),
         TOP_K=aligned.num_pairs // T,
         ACT=ACT_SWIGLU if act.kind == "swiglu" else ACT_SWIGLUOAI,
         HAS_LIMIT=act.limit > 0,
         HAS_BIAS=b13_eN is not None,
-        EVEN_K=H % up.block_k == 0,
+        SPLIT_K=up.split_k,
+        EVEN_K=H % (up.block_k * up.split_k) == 0,
         BLOCK_M=aligned.block_m,
         BLOCK_N=up.block_n,
         BLOCK_K=up.block_k,
@@ -196,6 +209,7 @@ def down_combine(
         weights_TK,
         aligned.num_pairs,
         aligned.max_blocks,
+        down.group_m or aligned.max_blocks,
         H,
         F_,
         h_MF.stride(0),

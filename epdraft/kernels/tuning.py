@@ -29,19 +29,28 @@ _SMEM_BYTES = 200 * 1024  # H100/H200 allow 227 KB per block; leave room for Tri
 Pow2 = Annotated[int, msgspec.Meta(ge=16, le=512)]
 
 
-class UpConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Tiles of the gate/up GEMM (+ activation). block_n counts gate columns; up columns match."""
+class GemmConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Tiles and program order of one grouped GEMM.
+
+    split_k > 1 splits the reduction across programs; their fp32 partials are summed in split order.
+    group_m is how many row blocks programs walk down one column tile before the next (0: all of
+    them, so an expert's blocks share its weight tile in L2; 1: along each row block).
+    """
 
     block_n: Pow2
     block_k: Pow2
     num_warps: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
     num_stages: Annotated[int, msgspec.Meta(ge=1, le=8)] = 3
-
-
-class DownConfig(UpConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Tiles of the down GEMM; `split_k` > 1 splits F across programs (partials summed in order)."""
-
     split_k: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+    group_m: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class UpConfig(GemmConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The gate/up GEMM (+ activation). block_n counts gate columns; up columns match."""
+
+
+class DownConfig(GemmConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The down GEMM (+ routing weight); split partials are summed with each token's top-k."""
 
 
 class MoeKernelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -147,41 +156,81 @@ def block_m_candidates(num_tokens: int, top_k: int, num_experts: int) -> list[in
     return sizes[-2:]
 
 
-def up_candidates(block_m: int) -> list[UpConfig]:
+def _splits(rows: int, num_experts: int, reduction: int, block_k: int) -> tuple[int, ...]:
+    """Split-K factors worth trying: only for short GEMMs (<= 64 rows per expert on average), each split >= 1 tile."""
+    if rows > 64 * num_experts:
+        return (1,)
+    return tuple(sk for sk in (1, 2, 4, 8) if sk * block_k <= reduction)
+
+
+def up_candidates(block_m: int, rows: int, num_experts: int, hidden: int) -> list[UpConfig]:
     tiles = [(32, 128), (32, 256), (64, 64), (64, 128), (128, 64)]
     return [
-        UpConfig(block_n=bn, block_k=bk, num_warps=8 if bn * block_m >= 64 * 64 else 4, num_stages=s)
+        UpConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, split_k=sk)
         for bn, bk in tiles
+        for w in (4, 8)
         for s in (3, 4)
+        for sk in _splits(rows, num_experts, hidden, bk)
         if _smem_fits(block_m, bn, bk, s, 2)
     ]
 
 
-def down_candidates(block_m: int, allow_split: bool) -> list[DownConfig]:
+def down_candidates(block_m: int, rows: int, num_experts: int, intermediate: int) -> list[DownConfig]:
     tiles = [(64, 128), (128, 64), (128, 128), (256, 64)]
     return [
-        DownConfig(block_n=bn, block_k=bk, num_warps=8 if bn * block_m >= 64 * 64 else 4, num_stages=s, split_k=sk)
+        DownConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, split_k=sk)
         for bn, bk in tiles
+        for w in (4, 8)
         for s in (3, 4)
-        for sk in ((1, 2, 4) if allow_split else (1,))
+        for sk in _splits(rows, num_experts, intermediate, bk)
         if _smem_fits(block_m, bn, bk, s, 1)
     ]
 
 
-def fastest(candidates: list, time_us: Callable[[object], float]) -> tuple[object, float]:
-    """The candidate with the least time; candidates that fail to compile (too many resources) are skipped."""
+_GROUP_M = (1, 4)  # program orders tried on the best tiles, besides 0 (every row block first)
+
+
+def _compiles(run: Callable[[object], object], candidates: list) -> list:
+    """Compile every candidate at once on a thread pool (Triton's compiler releases the GIL); keep those that compile."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from triton.runtime.errors import OutOfResources
 
-    best, best_us = None, float("inf")
-    for cand in candidates:
+    device = torch.cuda.current_device()
+
+    def attempt(cand):
+        torch.cuda.set_device(device)
         try:
-            us = time_us(cand)
+            run(cand)
         except OutOfResources:
-            continue
+            return None
+        return cand
+
+    first = attempt(candidates[0]) if candidates else None  # sets up Triton's per-device caches on one thread
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        kept = [c for c in pool.map(attempt, candidates[1:]) if c is not None]
+    kept = ([first] if first is not None else []) + kept
+    torch.cuda.synchronize()
+    return kept
+
+
+def fastest(candidates: list, time_us: Callable[[object], float]) -> tuple[object, float]:
+    """The candidate with the least time."""
+    if not candidates:
+        raise ConfigError("no candidate config compiled")
+    timed = [(time_us(c), i) for i, c in enumerate(candidates)]
+    best_us, best = min(timed)
+    return candidates[best], best_us
+
+
+def _best_order(config, time_us: Callable[[object], float], base_us: float):
+    """`config` with the fastest program order among group_m = 0 (its own) and `_GROUP_M`."""
+    best, best_us = config, base_us
+    for group_m in _GROUP_M:
+        cand = msgspec.structs.replace(config, group_m=group_m)
+        us = time_us(cand)
         if us < best_us:
             best, best_us = cand, us
-    if best is None:
-        raise ConfigError(f"no candidate config compiled (first: {candidates[:1]})")
     return best, best_us
 
 
@@ -196,12 +245,12 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, device: torch.
 def tune(
     num_experts: int, intermediate: int, hidden: int, top_k: int, dtype: torch.dtype, tokens: list[int]
 ) -> dict[int, MoeKernelConfig]:
-    """Search block rows, then the up and down GEMM tiles apart (they do not interact), per token count.
+    """Search block rows, then the up and down GEMMs apart (they do not interact), per token count.
 
-    Returns the table keyed by row count M = T * top_k.
-
-    Times each candidate with `triton.testing.do_bench` (median) on random routing and the current
-    CUDA device; the fastest up + down pair per block size wins.
+    Returns the table keyed by row count M = T * top_k. Per block size, every candidate's tiles,
+    warps, stages and split-K are compiled in parallel, then timed with `triton.testing.do_bench`
+    (median, L2 flushed between runs) on random routing on the current CUDA device; the best tiles
+    then try the other program orders. The fastest up + down pair over block sizes wins.
     """
     from triton.testing import do_bench
 
@@ -220,22 +269,35 @@ def tune(
 
     table: dict[int, MoeKernelConfig] = {}
     for num_tokens in tokens:
+        rows = num_tokens * top_k
         x = torch.randn(num_tokens, hidden, device=device, generator=gen).to(dtype)
         ids, weights = random_routing(num_tokens, num_experts, top_k, device, gen)
         best_us = float("inf")
         for block_m in block_m_candidates(num_tokens, top_k, num_experts):
             aligned = align_pairs(ids.view(-1), num_experts, block_m)
-            up, up_us = fastest(
-                up_candidates(block_m), lambda c: bench_us(lambda: up_act(x, aligned, w13, None, act, c))
-            )
-            h = up_act(x, aligned, w13, None, act, up)
-            allow_split = num_tokens * top_k <= 64 * num_experts
-            down, down_us = fastest(
-                down_candidates(block_m, allow_split),
-                lambda c: bench_us(lambda: down_combine(h, aligned, ids, weights, w2, None, c)),
-            )
-            log.info("T=%d block_m=%d: up %.1f us %s, down %.1f us %s", num_tokens, block_m, up_us, up, down_us, down)
-            if up_us + down_us < best_us:
-                best_us = up_us + down_us
-                table[num_tokens * top_k] = MoeKernelConfig(block_m=block_m, up=up, down=down)
+
+            def run_up(c, aligned=aligned):
+                return up_act(x, aligned, w13, None, act, c)
+
+            def up_us(c):
+                return bench_us(lambda: run_up(c))
+
+            ups = _compiles(run_up, up_candidates(block_m, rows, num_experts, hidden))
+            up, up_time = fastest(ups, up_us)
+            up, up_time = _best_order(up, up_us, up_time)
+            h = run_up(up)
+
+            def run_down(c, aligned=aligned, h=h):
+                return down_combine(h, aligned, ids, weights, w2, None, c)
+
+            def down_us(c):
+                return bench_us(lambda: run_down(c))
+
+            downs = _compiles(run_down, down_candidates(block_m, rows, num_experts, intermediate))
+            down, down_time = fastest(downs, down_us)
+            down, down_time = _best_order(down, down_us, down_time)
+            log.info("T=%d block_m=%d: up %.1f us %s, down %.1f us %s", num_tokens, block_m, up_time, up, down_time, down)
+            if up_time + down_time < best_us:
+                best_us = up_time + down_time
+                table[rows] = MoeKernelConfig(block_m=block_m, up=up, down=down)
     return table

@@ -98,12 +98,15 @@ def aligned_reference(ids, num_experts, block_m):
     "num_experts,num_pairs,block_m",
     [
         (1, 5, 16), (8, 37, 16), (8, 4099, 64), (128, 6144, 16), (300, 700, 32),
-        (512, 20480, 16), (512, 160, 64), (2048, 500, 16),
+        (512, 20480, 16), (512, 160, 64), (2048, 500, 16), (64, 50000, 16), (256, 0, 16),
     ],
 )
 def test_align_pairs_layout(num_experts, num_pairs, block_m):
-    """Routing setup: expert groups in order, pairs in order within a group, -1 and ids >= E dropped."""
-    from epdraft.kernels.align import _sync_scratch, align_pairs
+    """Routing setup: expert groups in order, pairs in order within a group, -1 and ids >= E dropped.
+
+    With 50000 pairs each of the grid's programs (one per SM) ranks several chunks; 0 pairs is one empty program.
+    """
+    from epdraft.kernels.align import _scratch, align_pairs
 
     gen = torch.Generator(device="cuda").manual_seed(num_pairs)
     ids = torch.randint(-1, num_experts + 2, (num_pairs,), device="cuda", generator=gen)
@@ -114,7 +117,7 @@ def test_align_pairs_layout(num_experts, num_pairs, block_m):
         assert num_padded == len(rows)
         assert aligned.sorted_pairs_M[:num_padded].tolist() == rows
         assert aligned.block_expert_B[: num_padded // block_m].tolist() == labels
-        assert not any(buf.any() for buf in _sync_scratch.values())
+        assert not any(sync.any() for _, sync in _scratch.values())
 
 
 @pytest.mark.parametrize("act", list(ACTS))
@@ -158,23 +161,48 @@ def test_non_contiguous_inputs():
 
 
 @pytest.mark.parametrize("top_k", [1, 4])
-@pytest.mark.parametrize("split_k,block_m", [(1, 32), (2, 16), (4, 64)])
-def test_explicit_configs(top_k, split_k, block_m):
-    """Split-K partials, K = 1 direct writes and every block size give the same answer."""
+@pytest.mark.parametrize(
+    "block_m,up_split,down_split,group_m",
+    [(32, 1, 1, 0), (16, 2, 2, 1), (64, 4, 4, 4), (16, 8, 1, 3), (16, 3, 1, 0)],
+)
+def test_explicit_configs(top_k, block_m, up_split, down_split, group_m):
+    """Split-K in either GEMM (3 leaves a split without K tiles), program orders, K = 1 direct writes
+    and every block size give the same answer."""
     from epdraft.kernels.fused_moe import fused_experts_with_config
     from epdraft.kernels.tuning import DownConfig, MoeKernelConfig, UpConfig
 
     config = MoeKernelConfig(
         block_m=block_m,
-        up=UpConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),
-        down=DownConfig(block_n=128, block_k=64, num_warps=4, num_stages=3, split_k=split_k),
+        up=UpConfig(block_n=64, block_k=32, num_warps=4, num_stages=3, split_k=up_split, group_m=group_m),
+        down=DownConfig(block_n=128, block_k=64, num_warps=4, num_stages=3, split_k=down_split, group_m=group_m),
     )
     w13, w2, b13, b2 = make_experts(8, torch.bfloat16, True)
     ids, weights = make_routing(257, 8, top_k)
     x = torch.randn(257, H, device="cuda").to(torch.bfloat16)
-    spec = ActivationSpec()
-    out = fused_experts_with_config(x, ids, weights, w13, w2, spec, b13, b2, config)
-    assert_matches(out, experts_reference(x, ids, weights, w13, w2, spec, b13, b2))
+    spec = ActivationSpec(kind="swigluoai", limit=7.0, alpha=1.702)
+    ref = experts_reference(x, ids, weights, w13, w2, spec, b13, b2)
+    for _ in range(2):  # split-K tile counters are left zeroed, so a second launch agrees
+        out = fused_experts_with_config(x, ids, weights, w13, w2, spec, b13, b2, config)
+        assert_matches(out, ref)
+
+
+def test_split_k_is_deterministic():
+    """The last program of a split tile sums the partials in split order, whoever arrives last."""
+    from epdraft.kernels.fused_moe import fused_experts_with_config
+    from epdraft.kernels.tuning import DownConfig, MoeKernelConfig, UpConfig
+
+    config = MoeKernelConfig(
+        block_m=16,
+        up=UpConfig(block_n=32, block_k=32, num_warps=4, num_stages=3, split_k=8),
+        down=DownConfig(block_n=64, block_k=32, num_warps=4, num_stages=3, split_k=4),
+    )
+    w13, w2, _, _ = make_experts(16, torch.bfloat16, False)
+    ids, weights = make_routing(600, 16, 4)
+    x = torch.randn(600, H, device="cuda").to(torch.bfloat16)
+    first = fused_experts_with_config(x, ids, weights, w13, w2, ActivationSpec(), None, None, config)
+    for _ in range(5):
+        again = fused_experts_with_config(x, ids, weights, w13, w2, ActivationSpec(), None, None, config)
+        assert torch.equal(again, first)
 
 
 def test_deterministic():

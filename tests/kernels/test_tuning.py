@@ -99,7 +99,22 @@ def test_block_m_candidates():
 
 def test_candidates_fit_shared_memory():
     for block_m in (16, 32, 64, 128):
-        for c in tuning.up_candidates(block_m):
+        for c in tuning.up_candidates(block_m, 128, 8, 4096):
             assert c.num_stages * (block_m + 2 * c.block_n) * c.block_k * 2 <= 200 * 1024
-        for c in tuning.down_candidates(block_m, allow_split=True):
+        for c in tuning.down_candidates(block_m, 128, 8, 1536):
             assert c.num_stages * (block_m + c.block_n) * c.block_k * 2 <= 200 * 1024
+
+
+def test_split_k_candidates():
+    """Split-K only for short GEMMs (<= 64 rows per expert), and never more splits than K tiles."""
+    short = tuning.down_candidates(16, 128, 8, 512)
+    assert {c.split_k for c in short} == {1, 2, 4, 8}
+    assert all(c.split_k * c.block_k <= 512 for c in short)
+    assert {c.split_k for c in tuning.up_candidates(64, 4096, 8, 4096)} == {1}
+
+
+def test_old_tables_read_with_defaults():
+    """Tables written before split-K up GEMMs and program orders still load: split_k 1, group_m 0."""
+    raw = b'{"16": {"block_m": 16, "up": {"block_n": 64, "block_k": 128}, "down": {"block_n": 64, "block_k": 64}}}'
+    table = msgspec.json.decode(raw, type=dict[int, MoeKernelConfig])
+    assert table[16].up.split_k == 1 and table[16].up.group_m == 0 and table[16].down.group_m == 0

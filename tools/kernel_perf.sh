@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Fused-experts work on one GPU in one call: kernel tests, tuning into a scratch copy of the shipped
+# tables, and the benchmark with the shipped and the tuned tables side by side. Logs and results go
+# to ${OUT:-./kernel-perf}; the tuned tables come back as tables.tar (their names hold '=' and ',').
+#
+# Usage: tools/kernel_perf.sh PHASE...   with PHASE one of
+#   tests                  pytest tests/gpu/test_fused_moe.py
+#   tune:SHAPES:TOKENS     e.g. tune:A,B:16,128,512,2048 (tables into $TABLES, default /tmp/tables)
+#   bench:shipped|tuned    epdraft bench kernel (A-D, T = 16/128/512/2048) with those tables
+# On a machine without internet, put the msgspec wheel in .whl/ first (../shared/tools/device-wheels.sh).
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-./kernel-perf}
+TABLES=${TABLES:-/tmp/tables}
+mkdir -p "$OUT" "$TABLES"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+[ -n "$(ls -A "$TABLES")" ] || cp epdraft/kernels/configs/*.json "$TABLES"/
+LOG=$OUT/kernel-perf.log
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | tee -a "$LOG"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$LOG"
+for phase in "$@"; do
+  echo "=== $phase $(date -u +%FT%TZ)" | tee -a "$LOG"
+  case $phase in
+    tests)
+      timeout 180 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_fused_moe.py 2>&1 | tail -25 | tee -a "$LOG" ;;
+    tune:*)
+      IFS=: read -r _ shapes tokens <<< "$phase"
+      timeout "${TUNE_TIMEOUT:-420}" python3 -m epdraft.cli bench kernel --tune "$shapes" --shapes "" --tokens "$tokens" \
+        --config-dir "$TABLES" 2>&1 | tee -a "$LOG"
+      tar -cf "$OUT/tables.tar" -C "$TABLES" . ;;
+    bench:shipped)
+      timeout 240 python3 -m epdraft.cli bench kernel --json "$OUT/bench-shipped.jsonl" 2>&1 | tee -a "$LOG" ;;
+    bench:tuned)
+      timeout 240 python3 -m epdraft.cli bench kernel --config-dir "$TABLES" --json "$OUT/bench-tuned.jsonl" 2>&1 | tee -a "$LOG" ;;
+    *) echo "unknown phase $phase" | tee -a "$LOG"; exit 2 ;;
+  esac
+done
+echo "=== end $(date -u +%FT%TZ)" | tee -a "$LOG"
