@@ -25,7 +25,7 @@ for phase in "$@"; do
   echo "=== $phase $(date -u +%FT%TZ)" | tee -a "$LOG"
   case $phase in
     tests)
-      timeout 180 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_fused_moe.py 2>&1 | tail -25 | tee -a "$LOG" ;;
+      timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_fused_moe.py 2>&1 | tail -25 | tee -a "$LOG" ;;
     tune:*)
       IFS=: read -r _ shapes tokens <<< "$phase"
       timeout "${TUNE_TIMEOUT:-420}" python3 -m epdraft.cli bench kernel --tune "$shapes" --shapes "" --tokens "$tokens" \
