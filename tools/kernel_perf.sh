@@ -6,7 +6,8 @@
 # Usage: tools/kernel_perf.sh PHASE...   with PHASE one of
 #   tests                  pytest tests/gpu/test_fused_moe.py
 #   tune:SHAPES:TOKENS     e.g. tune:A,B:16,128,512,2048 (tables into $TABLES, default /tmp/tables)
-#   bench:shipped|tuned    epdraft bench kernel (A-D, T = 16/128/512/2048) with those tables
+#   bench:shipped|tuned[:SHAPES]  epdraft bench kernel (default A-D; T = 16/128/512/2048) with the
+#                          shipped tables or those in $TABLES; results in bench-<which>.jsonl
 # On a machine without internet, put the msgspec wheel in .whl/ first (../shared/tools/device-wheels.sh).
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -31,10 +32,11 @@ for phase in "$@"; do
       timeout "${TUNE_TIMEOUT:-420}" python3 -m epdraft.cli bench kernel --tune "$shapes" --shapes "" --tokens "$tokens" \
         --config-dir "$TABLES" 2>&1 | tee -a "$LOG"
       tar -cf "$OUT/tables.tar" -C "$TABLES" . ;;
-    bench:shipped)
-      timeout 240 python3 -m epdraft.cli bench kernel --json "$OUT/bench-shipped.jsonl" 2>&1 | tee -a "$LOG" ;;
-    bench:tuned)
-      timeout 240 python3 -m epdraft.cli bench kernel --config-dir "$TABLES" --json "$OUT/bench-tuned.jsonl" 2>&1 | tee -a "$LOG" ;;
+    bench:*)
+      IFS=: read -r _ which shapes <<< "$phase"
+      dir=epdraft/kernels/configs; [ "$which" = tuned ] && dir=$TABLES
+      timeout 240 python3 -m epdraft.cli bench kernel --shapes "${shapes:-A,B,C,D}" --config-dir "$dir" \
+        --json "$OUT/bench-$which.jsonl" 2>&1 | tee -a "$LOG" ;;
     *) echo "unknown phase $phase" | tee -a "$LOG"; exit 2 ;;
   esac
 done

@@ -22,7 +22,15 @@ import torch
 
 from epdraft.config.ffn import ActivationSpec
 from epdraft.errors import ConfigError
-from epdraft.kernels.tuning import CONFIG_DIR, config_file_name, get_config, random_routing, save_table, tune
+from epdraft.kernels.tuning import (
+    CONFIG_DIR,
+    config_file_name,
+    get_config,
+    graph_us,
+    random_routing,
+    save_table,
+    tune,
+)
 from epdraft.layers.activations import gated_act
 from epdraft.layers.experts import experts_reference
 
@@ -75,21 +83,6 @@ def grouped_mm_experts(x_TH, ids_TK, weights_TK, w13_eNH, w2_eHF, act: Activatio
     return torch.zeros(T, H, dtype=torch.float32, device=x_TH.device).index_add_(0, token, contrib).to(x_TH.dtype)
 
 
-def _graph_us(fn) -> float:
-    """Median µs of a CUDA-graph replay of `fn` (warmed up eagerly first, on a side stream as capture needs)."""
-    from triton.testing import do_bench
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3
-
-
 def _bench_one(name: str, num_tokens: int, weights: tuple, dtype: torch.dtype, config_dir: Path) -> dict:
     from triton.testing import do_bench
 
@@ -111,13 +104,13 @@ def _bench_one(name: str, num_tokens: int, weights: tuple, dtype: torch.dtype, c
     scale = ref.float().abs().mean().item()
     err = (fused.float() - ref.float()).abs()
 
-    fused_us = _graph_us(lambda: fused_experts_with_config(x, ids, topk_w, w13, w2, act, None, None, config))
-    align_us = _graph_us(lambda: align_pairs(ids.view(-1), E, config.block_m))
+    fused_us = graph_us(lambda: fused_experts_with_config(x, ids, topk_w, w13, w2, act, None, None, config))
+    align_us = graph_us(lambda: align_pairs(ids.view(-1), E, config.block_m))
     aligned = align_pairs(ids.view(-1), E, config.block_m)
-    gemms_us = _graph_us(
+    gemms_us = graph_us(
         lambda: down_combine(up_act(x, aligned, w13, None, act, config.up), aligned, ids, topk_w, w2, None, config.down)
     )
-    grouped_us = _graph_us(lambda: grouped_mm_experts(x, ids, topk_w, w13, w2, act))
+    grouped_us = graph_us(lambda: grouped_mm_experts(x, ids, topk_w, w13, w2, act))
     ref_us = do_bench(lambda: experts_reference(x, ids, topk_w, w13, w2, act), warmup=5, rep=30, return_mode="median")
     ref_us *= 1e3
 

@@ -234,6 +234,24 @@ def _best_order(config, time_us: Callable[[object], float], base_us: float):
     return best, best_us
 
 
+def graph_us(fn: Callable[[], object], rep_ms: int = 50) -> float:
+    """Median µs of a CUDA-graph replay of `fn` (`triton.testing.do_bench`, which flushes L2 before each run).
+
+    `fn` runs once eagerly first, on a side stream as capture needs, so compilation stays out.
+    """
+    from triton.testing import do_bench
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=10, rep=rep_ms, return_mode="median") * 1e3
+
+
 def random_routing(num_tokens: int, num_experts: int, top_k: int, device: torch.device, generator=None):
     """Distinct uniformly random experts per token and softmax weights: (ids_TK int64, weights_TK fp32)."""
     scores = torch.rand(num_tokens, num_experts, device=device, generator=generator)
@@ -248,12 +266,11 @@ def tune(
     """Search block rows, then the up and down GEMMs apart (they do not interact), per token count.
 
     Returns the table keyed by row count M = T * top_k. Per block size, every candidate's tiles,
-    warps, stages and split-K are compiled in parallel, then timed with `triton.testing.do_bench`
-    (median, L2 flushed between runs) on random routing on the current CUDA device; the best tiles
-    then try the other program orders. The fastest up + down pair over block sizes wins.
+    warps, stages and split-K are compiled in parallel, then timed on random routing on the current
+    CUDA device; the best tiles then try the other program orders. Times are CUDA-graph replays
+    (`graph_us`), as the forward runs in a server, so launch gaps and split-K's counter reset count
+    as they will there. The fastest up + down pair over block sizes wins.
     """
-    from triton.testing import do_bench
-
     from epdraft.config.ffn import ActivationSpec
     from epdraft.kernels.align import align_pairs
     from epdraft.kernels.fused_moe import down_combine, up_act
@@ -263,9 +280,6 @@ def tune(
     w13 = (torch.randn(num_experts, 2 * intermediate, hidden, device=device, generator=gen) * hidden**-0.5).to(dtype)
     w2 = (torch.randn(num_experts, hidden, intermediate, device=device, generator=gen) * intermediate**-0.5).to(dtype)
     act = ActivationSpec()
-
-    def bench_us(fn) -> float:
-        return do_bench(fn, warmup=5, rep=20, return_mode="median") * 1e3
 
     table: dict[int, MoeKernelConfig] = {}
     for num_tokens in tokens:
@@ -280,7 +294,7 @@ def tune(
                 return up_act(x, aligned, w13, None, act, c)
 
             def up_us(c):
-                return bench_us(lambda: run_up(c))
+                return graph_us(lambda: run_up(c), rep_ms=20)
 
             ups = _compiles(run_up, up_candidates(block_m, rows, num_experts, hidden))
             up, up_time = fastest(ups, up_us)
@@ -291,7 +305,7 @@ def tune(
                 return down_combine(h, aligned, ids, weights, w2, None, c)
 
             def down_us(c):
-                return bench_us(lambda: run_down(c))
+                return graph_us(lambda: run_down(c), rep_ms=20)
 
             downs = _compiles(run_down, down_candidates(block_m, rows, num_experts, intermediate))
             down, down_time = fastest(downs, down_us)
