@@ -44,7 +44,7 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-num_pairs // block_m) + min(num_experts, num_pairs)
 
 
-_CHUNK = 128  # pairs ranked at once: a CHUNK x CHUNK comparison per chunk
+_MAX_CHUNK = 256  # pairs ranked at once: a CHUNK x CHUNK comparison per chunk
 _MIN_PAIRS_PER_PROG = 256  # fewer pairs per program cost more in reading every program's counts
 _scratch: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -54,7 +54,7 @@ def _next_pow2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -62,7 +62,7 @@ def _scratch_for(device: torch.device, num_bins: int) -> tuple[torch.Tensor, tor
     """Per device and bin count: [SMs, num_bins] int32 counts (no init needed), [2] int32 barrier counters (kept zeroed)."""
     key = (device, num_bins)
     if key not in _scratch:
-        counts = torch.empty(_num_sms(device), num_bins, dtype=torch.int32, device=device)
+        counts = torch.empty(num_sms(device), num_bins, dtype=torch.int32, device=device)
         _scratch[key] = (counts, torch.zeros(2, dtype=torch.int32, device=device))
     return _scratch[key]
 
@@ -83,8 +83,9 @@ def align_pairs(ids_P: torch.Tensor, num_experts: int, block_m: int) -> AlignedP
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     num_bins = max(16, _next_pow2(num_experts))
     counts, sync = _scratch_for(device, num_bins)
-    num_progs = max(1, min(_num_sms(device), -(-num_pairs // _MIN_PAIRS_PER_PROG)))
+    num_progs = max(1, min(num_sms(device), -(-num_pairs // _MIN_PAIRS_PER_PROG)))
     pairs_per_prog = -(-num_pairs // num_progs)
+    chunk = max(16, min(_MAX_CHUNK, _next_pow2(pairs_per_prog)))
     align_kernel[(num_progs,)](
         ids_P,
         sorted_pairs,
@@ -98,8 +99,10 @@ def align_pairs(ids_P: torch.Tensor, num_experts: int, block_m: int) -> AlignedP
         BLOCK_M=block_m,
         NUM_BINS=num_bins,
         EXPERTS_PER_PROG=max(2, _next_pow2(-(-num_experts // num_progs))),
-        CHUNK=_CHUNK,
-        ROWS=max(1, min(_next_pow2(num_progs), 4096 // num_bins)),
-        num_warps=4,
+        CHUNK=chunk,
+        ROWS=max(1, min(_next_pow2(num_progs), 16384 // num_bins)),
+        ONE_PROG=num_progs == 1,
+        ONE_CHUNK=pairs_per_prog <= chunk,
+        num_warps=8 if chunk * chunk + num_bins * 16 > 32768 else 4,
     )
     return AlignedPairs(sorted_pairs, block_expert, num_padded, block_m, num_pairs)
