@@ -2,9 +2,9 @@
 
 One Triton launch, no host synchronization, so the whole MoE forward can be captured in a CUDA
 graph: buffers are sized from shapes alone (an upper bound on the padded length) and the GEMM
-programs past the real padded count exit at once. Programs own slices of the pairs, publish their
-per-expert counts in a per-device scratch and meet at a grid barrier whose counters the launch
-leaves zeroed, so launches on one device must not run concurrently on different streams.
+programs past the real padded count exit at once. Programs own slices of the experts and hand each
+other their group sizes through a small per-device scratch that the launch leaves zeroed, so
+launches on one device must not run concurrently on different streams.
 
 Pair p = t * K + j names (token t, its j-th choice). An expert id outside [0, e) (-1: another
 rank's expert, or a padded row) drops the pair.
@@ -13,7 +13,6 @@ rank's expert, or a padded row) drops the pair.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -44,34 +43,27 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-num_pairs // block_m) + min(num_experts, num_pairs)
 
 
-_MAX_CHUNK = 256  # pairs ranked at once: a CHUNK x CHUNK comparison per chunk
-_MIN_PAIRS_PER_PROG = 256  # fewer pairs per program cost more in reading every program's counts
-_scratch: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_EXPERTS_PER_PROG = 4  # at most; 4 fields of 13 bits (chunks of 4096 pairs) fit one int64
+_MIN_PROGS = 128  # fewer experts per program while there are at most this many programs
+_sync_scratch: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _scratch_for(device: torch.device, num_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per device and bin count: [SMs, num_bins] int32 counts (no init needed), [2] int32 barrier counters (kept zeroed)."""
-    key = (device, num_bins)
-    if key not in _scratch:
-        counts = torch.empty(num_sms(device), num_bins, dtype=torch.int32, device=device)
-        _scratch[key] = (counts, torch.zeros(2, dtype=torch.int32, device=device))
-    return _scratch[key]
+def _sync_buffer(device: torch.device, max_progs: int) -> torch.Tensor:
+    """[max_progs + 1] int32 zeros per device: published group sizes and a finish counter (kept zeroed)."""
+    key = (device, max_progs)
+    if key not in _sync_scratch:
+        _sync_scratch[key] = torch.zeros(max_progs + 1, dtype=torch.int32, device=device)
+    return _sync_scratch[key]
 
 
 def align_pairs(ids_P: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
     """Group the flat pair list `ids_P` ([P] int, local expert ids) by expert; one kernel launch.
 
-    Within an expert, pairs keep ascending pair order, so the layout is deterministic. The grid is
-    at most one program per SM: the programs meet at a grid barrier, so all must be resident.
+    Within an expert, pairs keep ascending pair order, so the layout is deterministic.
     """
     from epdraft.kernels._triton import align_kernel
 
@@ -81,28 +73,23 @@ def align_pairs(ids_P: torch.Tensor, num_experts: int, block_m: int) -> AlignedP
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    num_bins = max(16, _next_pow2(num_experts))
-    counts, sync = _scratch_for(device, num_bins)
-    num_progs = max(1, min(num_sms(device), -(-num_pairs // _MIN_PAIRS_PER_PROG)))
-    pairs_per_prog = -(-num_pairs // num_progs)
-    chunk = max(16, min(_MAX_CHUNK, _next_pow2(pairs_per_prog)))
+    experts_per_prog = min(_EXPERTS_PER_PROG, _next_pow2(-(-num_experts // _MIN_PROGS)))
+    num_progs = -(-num_experts // experts_per_prog)
+    max_progs = max(_MIN_PROGS, _next_pow2(num_progs))
+    chunk = max(16, min(_next_pow2(num_pairs), 4096))
     align_kernel[(num_progs,)](
         ids_P,
         sorted_pairs,
         block_expert,
         num_padded,
-        counts,
-        sync,
+        _sync_buffer(device, max_progs),
         num_pairs,
         num_experts,
-        pairs_per_prog,
         BLOCK_M=block_m,
-        NUM_BINS=num_bins,
-        EXPERTS_PER_PROG=max(2, _next_pow2(-(-num_experts // num_progs))),
+        EXPERTS_PER_PROG=experts_per_prog,
+        MAX_PROGS=max_progs,
         CHUNK=chunk,
-        ROWS=max(1, min(_next_pow2(num_progs), 16384 // num_bins)),
-        ONE_PROG=num_progs == 1,
-        ONE_CHUNK=pairs_per_prog <= chunk,
-        num_warps=8 if chunk * chunk + num_bins * 16 > 32768 else 4,
+        FIELD_BITS=chunk.bit_length(),
+        num_warps=16 if chunk >= 4096 else 8 if chunk >= 1024 else 4,
     )
     return AlignedPairs(sorted_pairs, block_expert, num_padded, block_m, num_pairs)

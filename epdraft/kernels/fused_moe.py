@@ -16,7 +16,7 @@ import torch
 
 from epdraft.config.ffn import ActivationSpec
 from epdraft.errors import ConfigError
-from epdraft.kernels.align import AlignedPairs, align_pairs, num_sms
+from epdraft.kernels.align import AlignedPairs, align_pairs
 from epdraft.kernels.tuning import DownConfig, MoeKernelConfig, UpConfig, dtype_name, get_config
 
 _TOPK_SUM_BLOCK_H = 1024
@@ -134,9 +134,8 @@ def up_act(
         arrived = torch.zeros(aligned.max_blocks * n_tiles, dtype=torch.int32, device=x_TH.device)
     else:
         partials = arrived = h_MF  # not read
-    key = ("up", x_TH.device, aligned.block_m, up, act.kind, act.limit > 0, b13_eN is not None)
-    grid = _persistent_grid(key, aligned.max_blocks * n_tiles * up.split_k, x_TH.device)
-    compiled = gemm1_act_kernel[grid](
+    grid = (aligned.max_blocks * n_tiles * up.split_k,)
+    gemm1_act_kernel[grid](
         x_TH,
         w13_eNH,
         b13_eN if b13_eN is not None else w13_eNH,
@@ -147,6 +146,7 @@ def up_act(
         aligned.block_expert_B,
         aligned.num_padded_1,
         aligned.num_pairs,
+        aligned.max_blocks,
         up.group_m or aligned.max_blocks,
         F_,
         H,
@@ -171,7 +171,6 @@ def up_act(
         num_warps=up.num_warps,
         num_stages=up.num_stages,
     )
-    _learn_residency(key, compiled, up.num_warps)
     return h_MF
 
 
@@ -198,9 +197,8 @@ def down_combine(
         # fp32 partials when split: each split's share is rounded once, at the end
         out_dtype = torch.float32 if down.split_k > 1 else h_MF.dtype
         out = torch.empty(down.split_k, T * K, H, dtype=out_dtype, device=h_MF.device)
-    key = ("down", h_MF.device, aligned.block_m, down, b2_eH is not None, out.dtype)
-    grid = _persistent_grid(key, aligned.max_blocks * _cdiv(H, down.block_n) * down.split_k, h_MF.device)
-    compiled = gemm2_weight_kernel[grid](
+    grid = (aligned.max_blocks * _cdiv(H, down.block_n) * down.split_k,)
+    gemm2_weight_kernel[grid](
         h_MF,
         w2_eHF,
         b2_eH if b2_eH is not None else w2_eHF,
@@ -210,6 +208,7 @@ def down_combine(
         aligned.num_padded_1,
         weights_TK,
         aligned.num_pairs,
+        aligned.max_blocks,
         down.group_m or aligned.max_blocks,
         H,
         F_,
@@ -228,7 +227,6 @@ def down_combine(
         num_warps=down.num_warps,
         num_stages=down.num_stages,
     )
-    _learn_residency(key, compiled, down.num_warps)
     if direct:
         return y_TH
     y_TH = torch.empty(T, H, dtype=h_MF.dtype, device=h_MF.device)
@@ -247,37 +245,6 @@ def down_combine(
         num_warps=4,
     )
     return y_TH
-
-
-_programs_per_sm: dict[tuple, int] = {}
-
-# Hopper per-SM limits (the H100 and H200): registers, shared memory, threads
-_SM_REGISTERS = 65536
-_SM_SHARED_BYTES = 228 * 1024
-_SM_THREADS = 2048
-
-
-def programs_per_sm(num_regs: int, shared_bytes: int, num_warps: int) -> int:
-    """How many programs of a kernel fit on one SM at once (registers allocated per warp in 256s)."""
-    regs_per_warp = -(-max(num_regs, 1) * 32 // 256) * 256
-    by_regs = _SM_REGISTERS // regs_per_warp // num_warps
-    by_smem = _SM_SHARED_BYTES // (shared_bytes + 1024)  # 1 KB per block is reserved
-    by_threads = _SM_THREADS // (32 * num_warps)
-    return max(1, min(by_regs, by_smem, by_threads, 32))
-
-
-def _persistent_grid(key: tuple, max_units: int, device: torch.device) -> tuple[int]:
-    """One program per resident slot (learnt from the compiled kernel; one per SM until then), at most one per unit.
-
-    Any grid gives the same result: programs walk the units in strides of the grid.
-    """
-    slots = _programs_per_sm.get(key, 1) * num_sms(device)
-    return (max(1, min(max_units, slots)),)
-
-
-def _learn_residency(key: tuple, compiled, num_warps: int) -> None:
-    if key not in _programs_per_sm:
-        _programs_per_sm[key] = programs_per_sm(compiled.n_regs, compiled.metadata.shared, num_warps)
 
 
 def _cdiv(a: int, b: int) -> int:
