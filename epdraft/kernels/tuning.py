@@ -156,11 +156,16 @@ def block_m_candidates(num_tokens: int, top_k: int, num_experts: int) -> list[in
     return sizes[-2:]
 
 
-def _splits(rows: int, num_experts: int, reduction: int, block_k: int) -> tuple[int, ...]:
+def _splits(rows: int, num_experts: int, reduction: int, block_k: int, most: int) -> tuple[int, ...]:
     """Split-K factors worth trying: only for short GEMMs (<= 64 rows per expert on average), each split >= 1 tile."""
     if rows > 64 * num_experts:
         return (1,)
-    return tuple(sk for sk in (1, 2, 4, 8) if sk * block_k <= reduction)
+    return tuple(sk for sk in (1, 2, 4, 8) if sk <= most and sk * block_k <= reduction)
+
+
+def _warps(block_n: int) -> tuple[int, ...]:
+    """4 warps for narrow tiles, 8 for the widest, both in between."""
+    return (4,) if block_n <= 64 else (8,) if block_n >= 256 else (4, 8)
 
 
 def up_candidates(block_m: int, rows: int, num_experts: int, hidden: int) -> list[UpConfig]:
@@ -168,21 +173,22 @@ def up_candidates(block_m: int, rows: int, num_experts: int, hidden: int) -> lis
     return [
         UpConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, split_k=sk)
         for bn, bk in tiles
-        for w in (4, 8)
-        for s in (3, 4)
-        for sk in _splits(rows, num_experts, hidden, bk)
+        for w in _warps(bn)
+        for s in (3, 4, 5)
+        for sk in _splits(rows, num_experts, hidden, bk, 4)
         if _smem_fits(block_m, bn, bk, s, 2)
     ]
 
 
 def down_candidates(block_m: int, rows: int, num_experts: int, intermediate: int) -> list[DownConfig]:
-    tiles = [(64, 128), (128, 64), (128, 128), (256, 64)]
+    """Narrow tiles and deep pipelines too: the short down GEMM needs many bytes in flight per SM."""
+    tiles = [(32, 128), (32, 256), (64, 128), (64, 256), (128, 64), (128, 128), (256, 64)]
     return [
         DownConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, split_k=sk)
         for bn, bk in tiles
-        for w in (4, 8)
-        for s in (3, 4)
-        for sk in _splits(rows, num_experts, intermediate, bk)
+        for w in _warps(bn)
+        for s in (3, 4, 5, 6)
+        for sk in _splits(rows, num_experts, intermediate, bk, 4)
         if _smem_fits(block_m, bn, bk, s, 1)
     ]
 
