@@ -1,6 +1,7 @@
 """Fused routed experts on the GPU: the Triton counterpart of `epdraft.layers.experts.experts_reference`.
 
-Four launches, no host synchronization (CUDA-graph safe):
+Four launches (and, with split-K in the gate/up GEMM, a memset of its tile counters), no host
+synchronization (CUDA-graph safe):
     align_pairs        pairs sorted by expert into block-padded groups
     gemm1_act_kernel   h = act(x W13^T + b13) per sorted row (gate and up tiles in one program;
                        with split-K, the last program of a tile sums the partials and activates)

@@ -156,11 +156,11 @@ def block_m_candidates(num_tokens: int, top_k: int, num_experts: int) -> list[in
     return sizes[-2:]
 
 
-def _splits(rows: int, num_experts: int, reduction: int, block_k: int, most: int) -> tuple[int, ...]:
+def _splits(rows: int, num_experts: int, reduction: int, block_k: int) -> tuple[int, ...]:
     """Split-K factors worth trying: only for short GEMMs (<= 64 rows per expert on average), each split >= 1 tile."""
     if rows > 64 * num_experts:
         return (1,)
-    return tuple(sk for sk in (1, 2, 4, 8) if sk <= most and sk * block_k <= reduction)
+    return tuple(sk for sk in (1, 2, 4) if sk * block_k <= reduction)
 
 
 def _warps(block_n: int) -> tuple[int, ...]:
@@ -175,7 +175,7 @@ def up_candidates(block_m: int, rows: int, num_experts: int, hidden: int) -> lis
         for bn, bk in tiles
         for w in _warps(bn)
         for s in (3, 4, 5)
-        for sk in _splits(rows, num_experts, hidden, bk, 4)
+        for sk in _splits(rows, num_experts, hidden, bk)
         if _smem_fits(block_m, bn, bk, s, 2)
     ]
 
@@ -188,7 +188,7 @@ def down_candidates(block_m: int, rows: int, num_experts: int, intermediate: int
         for bn, bk in tiles
         for w in _warps(bn)
         for s in (3, 4, 5, 6)
-        for sk in _splits(rows, num_experts, intermediate, bk, 4)
+        for sk in _splits(rows, num_experts, intermediate, bk)
         if _smem_fits(block_m, bn, bk, s, 1)
     ]
 
@@ -196,7 +196,7 @@ def down_candidates(block_m: int, rows: int, num_experts: int, intermediate: int
 _GROUP_M = (1, 4)  # program orders tried on the best tiles, besides 0 (every row block first)
 
 
-def _compiles(run: Callable[[object], object], candidates: list) -> list:
+def _compile_all(run: Callable[[object], object], candidates: list) -> list:
     """Compile every candidate at once on a thread pool (Triton's compiler releases the GIL); keep those that compile."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -302,7 +302,7 @@ def tune(
             def up_us(c):
                 return graph_us(lambda: run_up(c), rep_ms=20)
 
-            ups = _compiles(run_up, up_candidates(block_m, rows, num_experts, hidden))
+            ups = _compile_all(run_up, up_candidates(block_m, rows, num_experts, hidden))
             up, up_time = fastest(ups, up_us)
             up, up_time = _best_order(up, up_us, up_time)
             h = run_up(up)
@@ -313,7 +313,7 @@ def tune(
             def down_us(c):
                 return graph_us(lambda: run_down(c), rep_ms=20)
 
-            downs = _compiles(run_down, down_candidates(block_m, rows, num_experts, intermediate))
+            downs = _compile_all(run_down, down_candidates(block_m, rows, num_experts, intermediate))
             down, down_time = fastest(downs, down_us)
             down, down_time = _best_order(down, down_us, down_time)
             log.info("T=%d block_m=%d: up %.1f us %s, down %.1f us %s", num_tokens, block_m, up_time, up, down_time, down)
