@@ -4,7 +4,7 @@
 # to ${OUT:-./kernel-perf}; the tuned tables come back as tables.tar (their names hold '=' and ',').
 #
 # Usage: tools/kernel_perf.sh PHASE...   with PHASE one of
-#   tests                  pytest tests/gpu/test_fused_moe.py
+#   tests[:EXPR]           pytest tests/gpu/test_fused_moe.py [-k EXPR]
 #   tune:SHAPES:TOKENS     e.g. tune:A,B:16,128,512,2048 (tables into $TABLES, default /tmp/tables)
 #   bench:shipped|tuned[:SHAPES]  epdraft bench kernel (default A-D; T = 16/128/512/2048) with the
 #                          shipped tables or those in $TABLES; results in bench-<which>.jsonl
@@ -25,8 +25,10 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for phase in "$@"; do
   echo "=== $phase $(date -u +%FT%TZ)" | tee -a "$LOG"
   case $phase in
-    tests)
-      timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_fused_moe.py 2>&1 | tail -25 | tee -a "$LOG" ;;
+    tests|tests:*)
+      expr=${phase#tests}; expr=${expr#:}
+      timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_fused_moe.py \
+        ${expr:+-k "$expr"} 2>&1 | tail -25 | tee -a "$LOG" ;;
     tune:*)
       IFS=: read -r _ shapes tokens <<< "$phase"
       timeout "${TUNE_TIMEOUT:-420}" python3 -m epdraft.cli bench kernel --tune "$shapes" --shapes "" --tokens "$tokens" \
