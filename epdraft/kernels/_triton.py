@@ -144,7 +144,6 @@ def gemm1_act_kernel(
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
-    SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -171,9 +170,8 @@ def gemm1_act_kernel(
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh
     g_ptrs = w_ptr + expert * stride_we + offs_n_w[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     u_ptrs = g_ptrs + F * stride_wn
-    acc_shape: tl.constexpr = [BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N]
-    acc_g = tl.zeros(acc_shape, dtype=tl.float32)
-    acc_u = tl.zeros(acc_shape, dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, k_tiles):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
@@ -184,18 +182,11 @@ def gemm1_act_kernel(
             a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
             g = tl.load(g_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
             u = tl.load(u_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if SWAP_AB:
-            acc_g = tl.dot(tl.trans(g), tl.trans(a), acc_g)
-            acc_u = tl.dot(tl.trans(u), tl.trans(a), acc_u)
-        else:
-            acc_g = tl.dot(a, g, acc_g)
-            acc_u = tl.dot(a, u, acc_u)
+        acc_g = tl.dot(a, g, acc_g)
+        acc_u = tl.dot(a, u, acc_u)
         a_ptrs += BLOCK_K * stride_xh
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    if SWAP_AB:
-        acc_g = tl.trans(acc_g)
-        acc_u = tl.trans(acc_u)
     store_n = offs_n[None, :] < F
     if SPLIT_K > 1:
         part_ptrs = part_ptr + rows[:, None].to(tl.int64) * (2 * F) + offs_n[None, :]
@@ -249,7 +240,6 @@ def gemm2_weight_kernel(
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
-    SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -273,7 +263,7 @@ def gemm2_weight_kernel(
     offs_k = k_start + tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n_w[None, :].to(tl.int64) * stride_wh + offs_k[:, None]
-    acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, k_tiles):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -282,14 +272,9 @@ def gemm2_weight_kernel(
             k_left = F - k * BLOCK_K  # offs_k already counts this split's start
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if SWAP_AB:
-            acc = tl.dot(tl.trans(w), tl.trans(a), acc)
-        else:
-            acc = tl.dot(a, w, acc)
+        acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if SWAP_AB:
-        acc = tl.trans(acc)
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(b_ptr + expert * stride_be + offs_n_w).to(tl.float32)[None, :]

@@ -35,8 +35,6 @@ class GemmConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     split_k > 1 splits the reduction across programs; their fp32 partials are summed in split order.
     group_m is how many row blocks programs walk down one column tile before the next (0: all of
     them, so an expert's blocks share its weight tile in L2; 1: along each row block).
-    swap_ab computes (W x^T)^T: the weight tile is the matrix unit's 64-row side and the block's
-    rows its narrow side, so blocks of 16-32 rows run on Hopper's wgmma instead of mma.sync.
     """
 
     block_n: Pow2
@@ -45,7 +43,6 @@ class GemmConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     num_stages: Annotated[int, msgspec.Meta(ge=1, le=8)] = 3
     split_k: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
     group_m: Annotated[int, msgspec.Meta(ge=0)] = 0
-    swap_ab: bool = False
 
 
 class UpConfig(GemmConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -171,20 +168,14 @@ def _warps(block_n: int) -> tuple[int, ...]:
     return (4,) if block_n <= 64 else (8,) if block_n >= 256 else (4, 8)
 
 
-def _swaps(block_m: int, block_n: int) -> tuple[bool, ...]:
-    """Swapped operands for short row blocks, when the weight tile fills wgmma's 64 rows."""
-    return (False, True) if block_m <= 32 and block_n >= 64 else (False,)
-
-
 def up_candidates(block_m: int, rows: int, num_experts: int, hidden: int) -> list[UpConfig]:
     tiles = [(32, 128), (32, 256), (64, 64), (64, 128), (128, 64)]
     return [
-        UpConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, split_k=sk, swap_ab=sw)
+        UpConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, split_k=sk)
         for bn, bk in tiles
         for w in _warps(bn)
         for s in (3, 4, 5)
         for sk in _splits(rows, num_experts, hidden, bk)
-        for sw in _swaps(block_m, bn)
         if _smem_fits(block_m, bn, bk, s, 2)
     ]
 
@@ -193,12 +184,11 @@ def down_candidates(block_m: int, rows: int, num_experts: int, intermediate: int
     """Narrow tiles and deep pipelines too: the short down GEMM needs many bytes in flight per SM."""
     tiles = [(32, 128), (32, 256), (64, 128), (64, 256), (128, 64), (128, 128), (256, 64)]
     return [
-        DownConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, split_k=sk, swap_ab=sw)
+        DownConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, split_k=sk)
         for bn, bk in tiles
         for w in _warps(bn)
         for s in (3, 4, 5, 6)
         for sk in _splits(rows, num_experts, intermediate, bk)
-        for sw in _swaps(block_m, bn)
         if _smem_fits(block_m, bn, bk, s, 1)
     ]
 
