@@ -10,12 +10,20 @@ appends to its context. The bonus row's features come with the next verify.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from epdraft.errors import RequestError
+
+
+def _segments(lens: torch.Tensor) -> list[slice]:
+    """Consecutive row slices of the given lengths, from one host copy of them (no per-request sync)."""
+    bounds = [0, *itertools.accumulate(lens.tolist())]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +40,13 @@ class PrefillResult:
     prompt_lens: torch.Tensor
     features: torch.Tensor
 
+    @functools.cached_property
+    def _slices(self) -> list[slice]:
+        return _segments(self.prompt_lens)
+
     def rows(self, i: int) -> slice:
         """The rows of `features` belonging to request i."""
-        start = int(self.prompt_lens[:i].sum())
-        return slice(start, start + int(self.prompt_lens[i]))
+        return self._slices[i]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +67,23 @@ class VerifyResult:
     committed_ids: torch.Tensor
     features: torch.Tensor
 
+    @functools.cached_property
+    def _slices(self) -> list[slice]:
+        return _segments(self.commit_lens)
+
+    @functools.cached_property
+    def _host_tokens(self) -> tuple[list[int], list[int]]:
+        """committed_ids and bonus as host lists, copied once for every request's `emitted`."""
+        return self.committed_ids.tolist(), self.bonus.tolist()
+
     def rows(self, i: int) -> slice:
         """The rows of `committed_ids` / `features` belonging to request i."""
-        start = int(self.commit_lens[:i].sum())
-        return slice(start, start + int(self.commit_lens[i]))
+        return self._slices[i]
 
     def emitted(self, i: int) -> list[int]:
         """New output tokens of request i this step: its accepted drafts, then the bonus token."""
-        return self.committed_ids[self.rows(i)][1:].tolist() + [int(self.bonus[i])]
+        committed, bonus = self._host_tokens
+        return committed[self.rows(i)][1:] + [bonus[i]]
 
 
 @runtime_checkable
