@@ -113,6 +113,30 @@ def _tile(pid, num_blocks, n_tiles, group_m, SPLIT_K: tl.constexpr):
     return pid_m, pid_n, pid_k
 
 
+@triton.jit
+def _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """Row block `pid_m`: its expert (int64), its sorted row indices, their pairs, which are pairs (not padding)."""
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    return expert, rows, pair, pair < num_pairs
+
+
+@triton.jit
+def _cols(pid_n, N, BLOCK_N: tl.constexpr):
+    """Column tile `pid_n` of N, and the same wrapped into [0, N): weight loads need no mask, wrapped
+    columns are never stored."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_n, offs_n % N
+
+
+@triton.jit
+def _k_slice(pid_k, K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """K tiles per split, and split `pid_k`'s first BLOCK_K offsets into K."""
+    k_tiles = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    return k_tiles, pid_k * k_tiles * BLOCK_K + tl.arange(0, BLOCK_K)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks", "group_m"])
 def gemm1_act_kernel(
     x_ptr,
@@ -158,15 +182,10 @@ def gemm1_act_kernel(
     pid_m, pid_n, pid_k = _tile(tl.program_id(0), num_blocks, tl.cdiv(F, BLOCK_N), group_m, SPLIT_K)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
+    expert, rows, pair, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
     token = (pair // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n_w = offs_n % F  # wrap instead of masking the weight loads; wrapped columns are not stored
-    k_tiles = tl.cdiv(tl.cdiv(H, BLOCK_K), SPLIT_K)
-    offs_k = pid_k * k_tiles * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n, offs_n_w = _cols(pid_n, F, BLOCK_N)
+    k_tiles, offs_k = _k_slice(pid_k, H, SPLIT_K, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh
     g_ptrs = w_ptr + expert * stride_we + offs_n_w[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     u_ptrs = g_ptrs + F * stride_wn
@@ -252,15 +271,9 @@ def gemm2_weight_kernel(
     pid_m, pid_n, pid_k = _tile(tl.program_id(0), num_blocks, tl.cdiv(H, BLOCK_N), group_m, SPLIT_K)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n_w = offs_n % H
-    k_tiles = tl.cdiv(tl.cdiv(F, BLOCK_K), SPLIT_K)
-    k_start = pid_k * k_tiles * BLOCK_K
-    offs_k = k_start + tl.arange(0, BLOCK_K)
+    expert, rows, pair, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
+    offs_n, offs_n_w = _cols(pid_n, H, BLOCK_N)
+    k_tiles, offs_k = _k_slice(pid_k, F, SPLIT_K, BLOCK_K)
     a_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n_w[None, :].to(tl.int64) * stride_wh + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
