@@ -24,6 +24,7 @@ from epdraft.worker.groups import Groups, layout_table, resolve_backend
 from epdraft.worker.health import check_all_reduce, health_check
 from epdraft.worker.job import RunJob, run_job
 from epdraft.worker.log import info_rank0, setup_logging
+from epdraft.worker.world import join_world, leave_world
 
 log = logging.getLogger("epdraft.worker")
 
@@ -65,9 +66,7 @@ def init_distributed(pc: ParallelConfig) -> None:
             )
         torch.cuda.set_device(local_rank)
         device_id = torch.device("cuda", local_rank)
-    dist.init_process_group(
-        backend, timeout=datetime.timedelta(seconds=pc.cluster.timeout_s), device_id=device_id
-    )
+    join_world(backend, timeout=datetime.timedelta(seconds=pc.cluster.timeout_s), device_id=device_id)
 
 
 def run(pc: ParallelConfig, config_path: str, job: RunJob | None = None) -> bool:
@@ -117,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             ok = run(pc, args.config, job)
         finally:
-            dist.destroy_process_group()
+            leave_world()
     except EpdraftError as e:
         log.error("%s", e)
         return 2

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from epdraft.errors import ParallelError
+from epdraft.worker.world import join_world, leave_world
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def _rank_main(
             # the default group eager, so a rank without its GPU fails here rather than in fn.
             torch.cuda.set_device(rank)
             device_kwargs["device_id"] = torch.device("cuda", rank)
-        dist.init_process_group(
+        join_world(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
@@ -70,7 +71,7 @@ def _rank_main(
         queue.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            leave_world()
 
 
 def _drain(queue, outcome: dict[int, tuple[bool, Any]]) -> None:
