@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import IO, Sequence
 
@@ -36,6 +37,7 @@ _NODES_JOINED = re.compile(r"(\d+)/(\d+) clients joined")
 _MASTER_UNREACHABLE = re.compile(r"timed out .* while trying to connect to")
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _STOP_GRACE_S = 30.0
+_POLL_S = 0.1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,18 +130,23 @@ def run_torchrun(cmd: list[str], pc: ParallelConfig, args: argparse.Namespace) -
 def run_local_nodes(cmds: Sequence[list[str]], pc: ParallelConfig, args: argparse.Namespace) -> int:
     """Run one `torchrun_command` per node, all on this host (cmds[n] is node n's), to completion.
 
-    Returns the first non-zero exit code in node order (0 when every node succeeded) after logging,
-    per failed node, what went wrong.
+    The first node to fail stops the others: they share its world and would otherwise wait on it
+    until `cluster.timeout_s`. Returns that node's exit code (0 when every node succeeded) after
+    logging what went wrong.
     """
     for node, cmd in enumerate(cmds):
         log.info("node %d of %d (on this host): %s", node, pc.cluster.nnodes, shlex.join(cmd))
-    returncode = 0
-    for node, (code, watcher) in enumerate(_run_all(cmds)):
-        if code != 0:
-            node_args = argparse.Namespace(**{**vars(args), "node_rank": node})
-            log.error("%s", _explain_failure(code, watcher, pc, node_args))
-            returncode = returncode or code
-    return returncode
+    results, first_failed = _run_all(cmds)
+    if first_failed is None:
+        return 0
+    code, watcher = results[first_failed]
+    node_args = argparse.Namespace(**{**vars(args), "node_rank": first_failed})
+    log.error("%s", _explain_failure(code, watcher, pc, node_args))
+    stopped = [node for node, (c, _) in enumerate(results) if node != first_failed and c != 0]
+    if stopped:
+        log.error("stopped node%s %s: node %d failed first", "s" if len(stopped) > 1 else "",
+                  ", ".join(map(str, stopped)), first_failed)  # fmt: skip
+    return code
 
 
 def is_loopback(address: str) -> bool:
@@ -173,12 +180,16 @@ class _StderrWatcher(threading.Thread):
 
 def _run(cmd: list[str]) -> tuple[int, _StderrWatcher]:
     """Run `cmd` in its own process group, forwarding signals to it; leave no process of it behind."""
-    return _run_all([cmd])[0]
+    return _run_all([cmd])[0][0]
 
 
-def _run_all(cmds: Sequence[list[str]]) -> list[tuple[int, _StderrWatcher]]:
+def _run_all(cmds: Sequence[list[str]]) -> tuple[list[tuple[int, _StderrWatcher]], int | None]:
     """Run every command at once, each in its own process group, forwarding signals to all of them;
-    wait for all, and leave no process of any of them behind."""
+    the first to fail stops the others. Leave no process of any of them behind.
+
+    Returns each command's (exit code, watcher) and the index of the first to fail (None when all
+    succeeded).
+    """
     procs = [
         subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
         for cmd in cmds
@@ -193,7 +204,7 @@ def _run_all(cmds: Sequence[list[str]]) -> list[tuple[int, _StderrWatcher]]:
                 sig, lambda signum, _frame: [_signal_group(proc.pid, signum) for proc in procs]
             )
     try:
-        codes = [proc.wait() for proc in procs]
+        codes, first_failed = _wait_all(procs)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -204,7 +215,28 @@ def _run_all(cmds: Sequence[list[str]]) -> list[tuple[int, _StderrWatcher]]:
         for watcher in watchers:
             watcher.join(timeout=5)
     # A negative code means torchrun died of a signal; report it the way a shell would.
-    return [(128 - code if code < 0 else code, watcher) for code, watcher in zip(codes, watchers)]
+    return [(128 - code if code < 0 else code, watcher) for code, watcher in zip(codes, watchers)], first_failed
+
+
+def _wait_all(procs: Sequence[subprocess.Popen]) -> tuple[list[int], int | None]:
+    """Exit codes of `procs` once all exited, and the index of the first to fail (None if none).
+
+    The first failure stops the others (`_stop`): ranks of one world would otherwise wait on the
+    failed ones until their timeout.
+    """
+    first_failed = None
+    while any(proc.poll() is None for proc in procs):
+        failed = [i for i, proc in enumerate(procs) if proc.returncode not in (None, 0)]
+        if failed and first_failed is None:
+            first_failed = failed[0]
+            for proc in procs:
+                if proc.poll() is None:
+                    _stop(proc)
+        else:
+            time.sleep(_POLL_S)
+    if first_failed is None:
+        first_failed = next((i for i, proc in enumerate(procs) if proc.returncode != 0), None)
+    return [proc.returncode for proc in procs], first_failed
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -7,7 +7,8 @@ acceptance, throughput, the time split and the lossless check against the target
 
 A config of several nodes whose `--master-addr` is loopback (the default) can only run on this host,
 so without `--node-rank` every node's torchrun is started here (e.g. configs/local-cpu-disagg.toml:
-node 0 the target ranks, node 1 the draft ranks); with `--node-rank N` only node N's.
+node 0 the target ranks, node 1 the draft ranks), and the first to fail stops the others; with
+`--node-rank N` only node N's.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -167,3 +168,27 @@ def test_worker_exits_2_naming_a_bad_config(tmp_path):
                           capture_output=True, text=True, timeout=50)  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert "[rank ?/?]" in done.stderr and f"{bad}: draft.moe_tp = 2: alltoall supports" in done.stderr, done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_local_nodes_stop_when_one_fails():
+    """`epdraft run` of a two-node config on one host: node 0 cannot host the rendezvous (its port is
+    taken), so node 1 is stopped at once instead of waiting out cluster.timeout_s (60 s)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "epdraft.cli", "run", "configs/local-cpu-disagg.toml", "--max-prompts", "1",
+             "--master-port", str(port)],
+            env=env, cwd=REPO, capture_output=True, text=True, timeout=100,
+        )  # fmt: skip
+        elapsed = time.monotonic() - start
+    out = done.stdout + done.stderr
+    assert done.returncode not in (0, None), out
+    assert elapsed < 45, f"took {elapsed:.0f} s\n{out}"
+    assert "torchrun exited with code 1 on node 0" in out, out
+    assert "stopped node 1: node 0 failed first" in out, out
+    assert _processes_mentioning(f"--master-port {port}") == []
