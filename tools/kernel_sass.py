@@ -1,0 +1,86 @@
+"""Fingerprint the fused-experts GEMM kernels' sm_90 machine code, compiled on this (CPU) machine.
+
+A refactor of `epdraft/kernels/_triton.py` that should not change the generated code (helpers,
+renames) is proven so without a GPU: run this before and after, each with a fresh Triton cache,
+and compare the hashes. Any line that differs needs a GPU run (tools/kernel_perf.sh).
+
+    pip download triton==3.6.0 --no-deps -d /tmp/tw && pip install --no-deps --target /tmp/tsite /tmp/tw/*.whl
+    TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=/tmp/tsite:. python tools/kernel_sass.py
+
+Pointer and stride arguments get the 16-byte divisibility the launches see on the GPU; without it
+Triton neither vectorises nor pipelines the loads and the code would not be what runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from epdraft.kernels import _triton as kernels
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+POINTERS = {
+    "part_ptr": "*fp32", "arrived_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+    "num_padded_ptr": "*i32", "topk_weights_ptr": "*fp32",
+}  # fmt: skip
+# Scalars the launches pass that are multiples of 16 on every shipped shape (so Triton specialises them).
+ALIGNED = {"F", "H", "stride_xt", "stride_we", "stride_wn", "stride_wh", "stride_be", "stride_hm", "stride_ps",
+           "stride_os", "stride_om"}  # fmt: skip
+FLOATS = {"limit", "alpha"}
+
+UP = dict(TOP_K=2, ACT=0, HAS_LIMIT=False, HAS_BIAS=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128)
+DOWN = dict(HAS_BIAS=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128)
+# (name, kernel, constexprs, num_warps, num_stages, dtype of out_ptr)
+CASES = [
+    ("up", kernels.gemm1_act_kernel, UP, 4, 4, "*bf16"),
+    ("up split 2, swigluoai, bias, limit, odd K", kernels.gemm1_act_kernel,
+     {**UP, "SPLIT_K": 2, "ACT": 1, "HAS_BIAS": True, "HAS_LIMIT": True, "EVEN_K": False}, 4, 3, "*bf16"),
+    ("up 64x64", kernels.gemm1_act_kernel, {**UP, "BLOCK_M": 64, "BLOCK_N": 64}, 4, 4, "*bf16"),
+    ("down", kernels.gemm2_weight_kernel, DOWN, 4, 4, "*bf16"),
+    ("down split 4, bias, odd K", kernels.gemm2_weight_kernel,
+     {**DOWN, "HAS_BIAS": True, "SPLIT_K": 4, "EVEN_K": False, "BLOCK_M": 32, "BLOCK_N": 64}, 4, 5, "*fp32"),
+]  # fmt: skip
+
+
+def sass(fn, constexprs: dict, num_warps: int, num_stages: int, out_type: str) -> str:
+    """The kernel's SASS without addresses and encodings: equal text means equal machine code."""
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = out_type if name == "out_ptr" else POINTERS.get(name, "*bf16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32" if name in FLOATS else "i32"
+            if name in ALIGNED:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(
+        ASTSource(fn, signature, constexprs, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        dump = subprocess.run([CUOBJDUMP, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+    # "/*0a70*/  HMMA.16816.F32.BF16 R4, R8, R12, R4 ;  /* 0x... */": keep the instruction only.
+    return "\n".join(re.sub(r"/\*[0-9a-f]{4,}\*/", "", line).split(";")[0].strip() for line in dump.splitlines() if "/*" in line)
+
+
+def main() -> None:
+    print(f"{'kernel (sm_90, Triton ' + triton.__version__ + ')':45s} {'sha256 of SASS':18s} instructions")
+    for name, fn, constexprs, num_warps, num_stages, out_type in CASES:
+        code = sass(fn, constexprs, num_warps, num_stages, out_type)
+        print(f"{name:45s} {hashlib.sha256(code.encode()).hexdigest()[:16]:18s} {code.count(chr(10)) + 1}")
+
+
+if __name__ == "__main__":
+    main()
