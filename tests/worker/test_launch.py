@@ -170,10 +170,10 @@ def test_worker_exits_2_naming_a_bad_config(tmp_path):
     assert "[rank ?/?]" in done.stderr and f"{bad}: draft.moe_tp = 2: alltoall supports" in done.stderr, done.stderr
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_local_nodes_stop_when_one_fails():
     """`epdraft run` of a two-node config on one host: node 0 cannot host the rendezvous (its port is
-    taken), so node 1 is stopped at once instead of waiting out cluster.timeout_s (60 s)."""
+    taken), so node 1 is stopped at once instead of waiting out cluster.timeout_s (150 s here)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -182,13 +182,13 @@ def test_local_nodes_stop_when_one_fails():
         start = time.monotonic()
         done = subprocess.run(
             [sys.executable, "-m", "epdraft.cli", "run", "configs/local-cpu-disagg.toml", "--max-prompts", "1",
-             "--master-port", str(port)],
-            env=env, cwd=REPO, capture_output=True, text=True, timeout=100,
+             "--master-port", str(port), "--set", "cluster.timeout_s=150"],
+            env=env, cwd=REPO, capture_output=True, text=True, timeout=240,
         )  # fmt: skip
         elapsed = time.monotonic() - start
     out = done.stdout + done.stderr
     assert done.returncode not in (0, None), out
-    assert elapsed < 45, f"took {elapsed:.0f} s\n{out}"
+    assert elapsed < 90, f"took {elapsed:.0f} s\n{out}"
     assert "torchrun exited with code 1 on node 0" in out, out
     assert "stopped node 1: node 0 failed first" in out, out
     assert _processes_mentioning(f"--master-port {port}") == []
