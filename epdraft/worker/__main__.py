@@ -3,15 +3,20 @@
 torchrun (built by `epdraft launch`) starts one of these per rank. It loads the parallel config,
 initializes the process group bounded by `cluster.timeout_s`, builds the Groups, logs the layout
 from rank 0, checks every group with an all-reduce and tears the process group down.
+
+A rank that dies of a signal prints every thread's Python stack; `kill -USR1 PID` prints them from
+a rank that hangs and lets it run on.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 
 import torch
@@ -98,6 +103,10 @@ def run(pc: ParallelConfig, config_path: str, job: RunJob | None = None) -> bool
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)
+    # A rank killed by a signal (SIGSEGV, or SIGABRT from C++) prints every thread's Python stack,
+    # and `kill -USR1 PID` prints them from a rank that hangs, without stopping it.
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         pc = load_parallel_config(args.config, args.set)
         init_distributed(pc)

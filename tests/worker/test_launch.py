@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -192,3 +193,43 @@ def test_local_nodes_stop_when_one_fails():
     assert "torchrun exited with code 1 on node 0" in out, out
     assert "stopped node 1: node 0 failed first" in out, out
     assert _processes_mentioning(f"--master-port {port}") == []
+
+
+@pytest.mark.timeout(120)
+def test_worker_prints_its_stacks_on_sigusr1_and_on_a_fatal_signal():
+    # Rank 0 of a world of 2 whose rank 1 never comes: it waits in init_process_group.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    cmd = [sys.executable, "-m", "epdraft.worker", "--config", str(REPO / "configs/local-cpu-2.toml")]
+    worker = subprocess.Popen(cmd, env=env, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(worker.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not _catches(worker.pid, signal.SIGUSR1):  # else SIGUSR1 would still kill it
+            assert worker.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.1)
+        while "in init_process_group" not in "".join(lines):
+            assert worker.poll() is None and time.monotonic() < deadline, "".join(lines)
+            worker.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+        assert worker.poll() is None, "SIGUSR1 must not stop the worker"
+        before_abort = len(lines)
+        worker.send_signal(signal.SIGABRT)
+        worker.wait(timeout=30)
+        reader.join(timeout=10)
+    finally:
+        worker.kill()
+    after = "".join(lines[before_abort:])
+    assert worker.returncode == -signal.SIGABRT, after
+    assert "Fatal Python error: Aborted" in after and "in init_process_group" in after, after
+    assert "epdraft/worker/__main__.py" in after, after
+
+
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
