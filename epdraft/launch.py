@@ -38,6 +38,7 @@ _MASTER_UNREACHABLE = re.compile(r"timed out .* while trying to connect to")
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _STOP_GRACE_S = 30.0
 _POLL_S = 0.1
+_PEERS_GRACE_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,7 +131,8 @@ def run_torchrun(cmd: list[str], pc: ParallelConfig, args: argparse.Namespace) -
 def run_local_nodes(cmds: Sequence[list[str]], pc: ParallelConfig, args: argparse.Namespace) -> int:
     """Run one `torchrun_command` per node, all on this host (cmds[n] is node n's), to completion.
 
-    The first node to fail stops the others: they share its world and would otherwise wait on it
+    The first node to fail stops the others (after a few seconds in which their ranks may fail on
+    their own, naming the peer they lost): they share its world and would otherwise wait on it
     until `cluster.timeout_s`. Returns that node's exit code (0 when every node succeeded) after
     logging what went wrong.
     """
@@ -221,14 +223,16 @@ def _run_all(cmds: Sequence[list[str]]) -> tuple[list[tuple[int, _StderrWatcher]
 def _wait_all(procs: Sequence[subprocess.Popen]) -> tuple[list[int], int | None]:
     """Exit codes of `procs` once all exited, and the index of the first to fail (None if none).
 
-    The first failure stops the others (`_stop`): ranks of one world would otherwise wait on the
-    failed ones until their timeout.
+    After the first failure the others get `_PEERS_GRACE_S` to fail on their own, so their ranks
+    can log which peer went silent, then are stopped (`_stop`): ranks of one world would otherwise
+    wait on the failed ones until their timeout.
     """
-    first_failed = None
+    first_failed, stop_at = None, 0.0
     while any(proc.poll() is None for proc in procs):
-        failed = [i for i, proc in enumerate(procs) if proc.returncode not in (None, 0)]
-        if failed and first_failed is None:
-            first_failed = failed[0]
+        if first_failed is None:
+            first_failed = next((i for i, proc in enumerate(procs) if proc.returncode not in (None, 0)), None)
+            stop_at = time.monotonic() + _PEERS_GRACE_S
+        if first_failed is not None and time.monotonic() >= stop_at:
             for proc in procs:
                 if proc.poll() is None:
                     _stop(proc)

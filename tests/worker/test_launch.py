@@ -174,7 +174,7 @@ def test_worker_exits_2_naming_a_bad_config(tmp_path):
 @pytest.mark.timeout(300)
 def test_local_nodes_stop_when_one_fails():
     """`epdraft run` of a two-node config on one host: node 0 cannot host the rendezvous (its port is
-    taken), so node 1 is stopped at once instead of waiting out cluster.timeout_s (150 s here)."""
+    taken), so node 1 is stopped 5 s later instead of waiting out cluster.timeout_s (150 s here)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
