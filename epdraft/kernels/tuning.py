@@ -240,6 +240,17 @@ def _best_order(config, time_us: Callable[[object], float], base_us: float):
     return best, best_us
 
 
+def _search(run: Callable[[object], object], candidates: list) -> tuple[object, float]:
+    """The fastest of `candidates` for `run(config)` (compiled in parallel, timed as CUDA-graph
+    replays), then with its best program order; returns it and its µs."""
+
+    def time_us(config) -> float:
+        return graph_us(lambda: run(config), rep_ms=20)
+
+    best, best_us = fastest(_compile_all(run, candidates), time_us)
+    return _best_order(best, time_us, best_us)
+
+
 def graph_us(fn: Callable[[], object], rep_ms: int = 50) -> float:
     """Median µs of a CUDA-graph replay of `fn` (`triton.testing.do_bench`, which flushes L2 before each run).
 
@@ -295,27 +306,14 @@ def tune(
         best_us = float("inf")
         for block_m in block_m_candidates(num_tokens, top_k, num_experts):
             aligned = align_pairs(ids.view(-1), num_experts, block_m)
-
-            def run_up(c, aligned=aligned):
-                return up_act(x, aligned, w13, None, act, c)
-
-            def up_us(c):
-                return graph_us(lambda: run_up(c), rep_ms=20)
-
-            ups = _compile_all(run_up, up_candidates(block_m, rows, num_experts, hidden))
-            up, up_time = fastest(ups, up_us)
-            up, up_time = _best_order(up, up_us, up_time)
-            h = run_up(up)
-
-            def run_down(c, aligned=aligned, h=h):
-                return down_combine(h, aligned, ids, weights, w2, None, c)
-
-            def down_us(c):
-                return graph_us(lambda: run_down(c), rep_ms=20)
-
-            downs = _compile_all(run_down, down_candidates(block_m, rows, num_experts, intermediate))
-            down, down_time = fastest(downs, down_us)
-            down, down_time = _best_order(down, down_us, down_time)
+            up, up_time = _search(
+                lambda c: up_act(x, aligned, w13, None, act, c), up_candidates(block_m, rows, num_experts, hidden)
+            )
+            h = up_act(x, aligned, w13, None, act, up)
+            down, down_time = _search(
+                lambda c: down_combine(h, aligned, ids, weights, w2, None, c),
+                down_candidates(block_m, rows, num_experts, intermediate),
+            )
             log.info("T=%d block_m=%d: up %.1f us %s, down %.1f us %s", num_tokens, block_m, up_time, up, down_time, down)
             if up_time + down_time < best_us:
                 best_us = up_time + down_time
