@@ -78,29 +78,23 @@ def test_torch_layouts_equal_reference_on_nccl(world):
     _run(world, cases, BF16, timeout_s=460)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", WORLDS)
-def test_deepep_normal_equals_reference_on_nccl(world):
-    reason = _missing_package_reason(DeepEPDispatcher, "deep_ep")
-    if reason is not None:
-        pytest.skip(reason)
-    _run(world, alltoall_cases(world, "deepep"), BF16, timeout_s=280)
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", WORLDS)
-def test_deepep_low_latency_equals_reference_on_nccl(world):
-    reason = _missing_package_reason(DeepEPDispatcher, "deep_ep")
-    if reason is not None:
-        pytest.skip(reason)
+# EP backends: (its dispatcher class, the module it needs, its cases for a world, the row shapes).
+EP_BACKENDS = {
+    "deepep": (DeepEPDispatcher, "deep_ep", lambda world: alltoall_cases(world, "deepep"), BF16),
     # One EP group spanning the world: low-latency buffers are NVSHMEM-backed, one world-wide group each.
-    _run(world, alltoall_cases(world, "deepep", eps=(world,)), BF16_LOW_LATENCY, timeout_s=280)
+    "deepep_ll": (DeepEPDispatcher, "deep_ep", lambda world: alltoall_cases(world, "deepep", eps=(world,)),
+                  BF16_LOW_LATENCY),
+    "mooncake": (MooncakeDispatcher, "mooncake.mooncake_ep_buffer", lambda world: alltoall_cases(world, "mooncake"),
+                 BF16),
+}  # fmt: skip
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", WORLDS)
-def test_mooncake_equals_reference_on_nccl(world):
-    reason = _missing_package_reason(MooncakeDispatcher, "mooncake.mooncake_ep_buffer")
+@pytest.mark.parametrize("backend", list(EP_BACKENDS))
+def test_ep_backend_equals_reference_on_nccl(backend, world):
+    cls, module, cases, options = EP_BACKENDS[backend]
+    reason = _missing_package_reason(cls, module)
     if reason is not None:
         pytest.skip(reason)
-    _run(world, alltoall_cases(world, "mooncake"), BF16, timeout_s=280)
+    _run(world, cases(world), options, timeout_s=280)
