@@ -14,11 +14,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from epdraft.dispatch import Dispatcher, StepPlan
 from epdraft.errors import ConfigError
 from epdraft.layers.build import build_ffn
 from epdraft.layers.mlp import DraftMLP
 from epdraft.layers.moe import DraftMoE
-from epdraft.layers.moe_context import MoeContext
 from epdraft.models.attention import DFlashAttention, RMSNorm
 from epdraft.models.cache import ContextScratch, DraftCache, context_mask, padded_context
 from epdraft.models.spec import DraftModelSpec
@@ -46,7 +46,7 @@ class DFlashLayer(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device | str,
-        moe_context: MoeContext | None,
+        dispatcher: Dispatcher | None,
     ):
         super().__init__()
         H = spec.hidden_size
@@ -63,7 +63,7 @@ class DFlashLayer(nn.Module):
             **kw,
         )
         self.post_attention_layernorm = RMSNorm(H, spec.rms_norm_eps, **kw)
-        self.mlp: DraftMLP | DraftMoE = build_ffn(spec.ffn, layer_id, H, dtype=dtype, device=device, moe_context=moe_context)
+        self.mlp: DraftMLP | DraftMoE = build_ffn(spec.ffn, layer_id, H, dtype=dtype, device=device, dispatcher=dispatcher)
 
     def forward(
         self,
@@ -72,15 +72,17 @@ class DFlashLayer(nn.Module):
         k_ctx_NgLD: torch.Tensor,
         v_ctx_NgLD: torch.Tensor,
         allowed_NQS: torch.Tensor | None = None,
+        plan: StepPlan | None = None,
     ) -> torch.Tensor:
-        """x [N, Q, H] -> [N, Q, H]; attention is skipped for N = 0, the FFN never is."""
+        """x [N, Q, H] -> [N, Q, H]; attention is skipped for N = 0, the FFN never is (it gets the
+        step's `plan`, which a communicating MoE layer needs)."""
         N, Q, H = x_NQH.shape
         if N:
             x_NQH = x_NQH + self.self_attn(
                 self.input_layernorm(x_NQH), positions_NQ, k_ctx_NgLD, v_ctx_NgLD, allowed_NQS
             )
         # The FFN runs even with no rows: a MoE layer's collectives must be entered by every rank.
-        y_TH = self.mlp(self.post_attention_layernorm(x_NQH).reshape(N * Q, H))
+        y_TH = self.mlp(self.post_attention_layernorm(x_NQH).reshape(N * Q, H), plan)
         return x_NQH + y_TH.view(N, Q, H)
 
 
@@ -96,7 +98,7 @@ class DFlashDraft(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        moe_context: MoeContext | None = None,
+        dispatcher: Dispatcher | None = None,
     ):
         super().__init__()
         if any(t != "full_attention" for t in spec.layer_types):
@@ -106,13 +108,18 @@ class DFlashDraft(nn.Module):
         self.fc = nn.Linear(spec.num_target_features * H, H, bias=False, dtype=dtype, device=device)
         self.hidden_norm = RMSNorm(H, spec.rms_norm_eps, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DFlashLayer(spec, i, dtype=dtype, device=device, moe_context=moe_context) for i in range(spec.num_layers)
+            DFlashLayer(spec, i, dtype=dtype, device=device, dispatcher=dispatcher) for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(H, spec.rms_norm_eps, dtype=dtype, device=device)
 
     @property
     def block_size(self) -> int:
         return self.spec.block_size
+
+    @property
+    def device(self) -> torch.device:
+        """Where the draft's weights (and so its inputs) live."""
+        return self.fc.weight.device
 
     def new_cache(self) -> DraftCache:
         return DraftCache(self.spec.num_layers)
@@ -165,7 +172,9 @@ class DFlashDraft(nn.Module):
             x = layer(x, positions_NQ, k, v, allowed_NQS)
         return self.norm(x)
 
-    def block_hidden(self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads) -> torch.Tensor:
+    def block_hidden(
+        self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None = None
+    ) -> torch.Tensor:
         """Final-normed hidden [N, B, H] of the blocks [anchor, MASK x (B-1)] over each request's context."""
         N, B = len(caches), self.spec.block_size
         device = self.fc.weight.device
@@ -179,7 +188,7 @@ class DFlashDraft(nn.Module):
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             k, v = padded_context(caches, i, x, attn.num_kv_heads, attn.head_dim, scratch)
-            x = layer(x, positions_NB, k, v, allowed)
+            x = layer(x, positions_NB, k, v, allowed, plan)
         return self.norm(x)
 
     def readout(self, hidden_NQH: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads) -> torch.Tensor:
@@ -187,11 +196,14 @@ class DFlashDraft(nn.Module):
         return heads.lm_head(hidden_NQH).argmax(dim=-1)
 
     @torch.no_grad()
-    def propose(self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads) -> torch.Tensor:
+    def propose(
+        self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None = None
+    ) -> torch.Tensor:
         """B-1 greedy drafts [N, B-1] int64 per request; N may be 0 (every FFN still runs once).
 
         caches[i] holds request i's context (its `length` is the anchor's position); anchors_N [N]
-        are the last verified tokens (the verify's bonus, or prefill's first token).
+        are the last verified tokens (the verify's bonus, or prefill's first token); `plan` is the
+        step's agreed row counts, passed to every MoE layer (None: a single process).
         """
-        hidden = self.block_hidden(caches, anchors_N, heads)
+        hidden = self.block_hidden(caches, anchors_N, heads, plan)
         return self.readout(hidden[:, 1:], anchors_N, heads)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from epdraft.dispatch import Dispatcher
 from epdraft.errors import ConfigError
-from epdraft.layers.moe_context import MoeContext
 from epdraft.models.dflash import DFlashDraft, TargetHeads
 from epdraft.models.spec import DraftModelSpec
 
@@ -59,13 +59,13 @@ class DSparkDraft(DFlashDraft):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        moe_context: MoeContext | None = None,
+        dispatcher: Dispatcher | None = None,
     ):
         if spec.markov_head_type != "vanilla":
             raise ConfigError(
                 f"markov_head_type = {spec.markov_head_type!r}: only the 'vanilla' DSpark Markov head is supported"
             )
-        super().__init__(spec, dtype=dtype, device=device, moe_context=moe_context)
+        super().__init__(spec, dtype=dtype, device=device, dispatcher=dispatcher)
         self.markov_head = MarkovHead(spec.vocab_size, spec.markov_rank, dtype=dtype, device=device)
         self.confidence_head: ConfidenceHead | None = None
         if spec.enable_confidence_head:
