@@ -47,7 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from epdraft.parallel.groups import resolve_backend
+
     pc = load_parallel_config(args.config, args.set)
+    # What this host can run (CUDA or not, the backend `auto` resolves to) is refused here, before any rank starts.
+    resolve_backend(pc)
     worker_args = [
         "--draft", args.draft,
         "--target", args.target,
