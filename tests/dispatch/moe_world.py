@@ -48,7 +48,7 @@ class WorldOptions:
 
     device: "cpu", or "cuda" (the rank's current GPU, set by the spawner). dtype: of the weights and
     rows (the router stays fp32). hidden / intermediate: H and I of every case's MoE (DeepEP
-    low-latency needs H in its kernel list, Mooncake H % 128 == 0). max_tokens_per_rank,
+    low-latency needs H in its kernel list, Mooncake H % 128 == 0). max_rows_per_rank,
     low_latency: passed to make_dispatcher for the fixed-buffer backends.
     """
 
@@ -56,7 +56,7 @@ class WorldOptions:
     dtype: torch.dtype = torch.float32
     hidden: int = HIDDEN
     intermediate: int = INTERMEDIATE
-    max_tokens_per_rank: int = 0
+    max_rows_per_rank: int = 0
     low_latency: bool = False
 
 
@@ -190,7 +190,7 @@ def run_cases(rank: int, world: int, cases: list[tuple], num_steps: int, options
         spec = moe_spec(router, options.intermediate)
         moe_layout = MoeLayout(
             layout=layout, backend=backend, dp_padding=padding, low_latency=options.low_latency,
-            max_rows_per_rank=options.max_tokens_per_rank, ep_rank=g // tp, ep_size=ep, tp_rank=g % tp, tp_size=tp,
+            max_rows_per_rank=options.max_rows_per_rank, ep_rank=g // tp, ep_size=ep, tp_rank=g % tp, tp_size=tp,
             num_experts=spec.num_experts, hidden_size=options.hidden, top_k=spec.top_k,
             device_type=torch.device(options.device).type,
         )  # fmt: skip
