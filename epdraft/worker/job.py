@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Callable, Literal
@@ -12,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from epdraft.config.parallel import ParallelConfig
-from epdraft.errors import ConfigError
 from epdraft.models.spec import check_against_target
 from epdraft.runtime import DraftRuntime, draft_spec, resolve_layout
 from epdraft.target.hf import HFTarget
+from epdraft.target.prompts import read_prompts
 from epdraft.worker.generate import RankReport, assign_prompts, greedy_reference, serve_rank
 from epdraft.worker.groups import Groups
 from epdraft.worker.summary import format_summary, summarize
@@ -35,55 +34,6 @@ class RunJob(msgspec.Struct, frozen=True, kw_only=True):
     check_lossless: bool = True
     json_out: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-
-
-def read_prompts(path: str | Path, limit: int = 0, *, tokenizer_dir: str | Path | None = None) -> list[list[int]]:
-    """Token ids per prompt from a JSON-lines file: each line {"input_ids": [...]} or {"text": "..."}.
-
-    `text` is tokenized with the tokenizer saved in `tokenizer_dir` (the target's directory); a line
-    that is not JSON, has neither key, or has text when there is no tokenizer is a ConfigError
-    naming the file and line. Ids are checked against the target's vocabulary per request later,
-    so one bad prompt does not stop the others.
-    """
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise ConfigError(f"--prompts {path}: cannot read: {e.strerror}") from e
-    tokenizer = None
-    prompts = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{n}: not JSON ({e.msg})") from e
-        if not isinstance(record, dict) or not ("input_ids" in record or "text" in record):
-            raise ConfigError(f"{path}:{n}: expected a JSON object with 'input_ids' (a list of ids) or 'text'")
-        if "input_ids" in record:
-            ids = record["input_ids"]
-            if not isinstance(ids, list):
-                raise ConfigError(f"{path}:{n}: input_ids must be a list of token ids, got {type(ids).__name__}")
-        else:
-            if tokenizer is None:
-                tokenizer = _load_tokenizer(tokenizer_dir, f"{path}:{n}")
-            ids = tokenizer(record["text"], add_special_tokens=False)["input_ids"]
-        prompts.append(ids)
-    return prompts[:limit] if limit else prompts
-
-
-def _load_tokenizer(directory: str | Path | None, where: str):
-    """The HF tokenizer saved with the target; ConfigError naming the prompt line when there is none."""
-    from transformers import AutoTokenizer
-
-    try:
-        if directory is None:
-            raise OSError("no target directory")
-        return AutoTokenizer.from_pretrained(str(directory))
-    except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"{where}: has 'text' but no tokenizer could be loaded from {directory} ({e}); give 'input_ids' instead"
-        ) from e
 
 
 def run_job(pc: ParallelConfig, config_path: str, groups: Groups, job: RunJob) -> bool:
@@ -165,4 +115,4 @@ def report_to_root(
     print(format_summary(summary), flush=True)
     if job.json_out:
         Path(job.json_out).write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
-    return summary.lossless is not False
+    return summary.lossless is not False and summary.generated_tokens > 0  # all refused is no success
