@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # What torch 2.x's static rendezvous prints when it gives up, on node 0 and on the other nodes.
 _NODES_JOINED = re.compile(r"(\d+)/(\d+) clients joined")
 _MASTER_UNREACHABLE = re.compile(r"timed out .* while trying to connect to")
-_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _STOP_GRACE_S = 30.0
 _POLL_S = 0.1
 _PEERS_GRACE_S = 5.0
@@ -210,7 +210,7 @@ class _StderrWatcher(threading.Thread):
 
 
 def _run(cmd: list[str]) -> tuple[int, _StderrWatcher]:
-    """Run `cmd` in its own process group, forwarding signals to it; leave no process of it behind."""
+    """Run `cmd` in its own process group, stopping it on SIGINT/SIGTERM/SIGHUP; leave no process of it behind."""
     return _run_all([cmd])[0][0]
 
 
@@ -231,25 +231,23 @@ def _run_all(cmds: Sequence[list[str]]) -> tuple[list[tuple[int, _StderrWatcher]
     interrupted: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
+        # Only noted here: `_wait_all` stops every node once (a second SIGTERM cuts torchrun's own shutdown short).
         if not interrupted:
             interrupted.append(signum)
             for watcher in watchers:
                 watcher.muted = True
-        for proc in procs:
-            _signal_group(proc.pid, signal.SIGTERM)
 
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        for sig in _FORWARDED_SIGNALS:
+        for sig in _STOP_SIGNALS:
             previous[sig] = signal.signal(sig, on_signal)
     try:
         codes, first_failed = _wait_all(procs, stop=lambda: bool(interrupted))
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _stop(procs)
         for proc in procs:
-            if proc.poll() is None:
-                _stop(proc)
             _signal_group(proc.pid, signal.SIGKILL)
         for watcher in watchers:
             watcher.join(timeout=5)
@@ -276,9 +274,7 @@ def _wait_all(
             if first_failed is not None:
                 stop_at = time.monotonic() + _PEERS_GRACE_S
         if stop() or time.monotonic() >= stop_at:
-            for proc in procs:
-                if proc.poll() is None:
-                    _stop(proc)
+            _stop(procs)
         else:
             time.sleep(_POLL_S)
     if first_failed is None:
@@ -286,22 +282,28 @@ def _wait_all(
     return [proc.returncode for proc in procs], first_failed
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Ask torchrun to stop its workers; if it does not within the grace period, kill them and it.
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    """Ask each running torchrun to stop its workers, once; kill whatever is left after the grace period.
 
     torchrun starts each worker in a session of its own, so killing torchrun's group alone would
-    orphan them: their groups are found through /proc while torchrun is still their parent.
+    orphan them: their groups are found through /proc while torchrun is still their parent, and
+    killed at the end even when torchrun exited (a second SIGTERM, or one during its startup, can
+    make it exit without stopping them).
     """
-    _signal_group(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=_STOP_GRACE_S)
-        return
-    except subprocess.TimeoutExpired:
-        pass
-    for pgid in _child_process_groups(proc.pid):
+    running = [proc for proc in procs if proc.poll() is None]
+    workers = {pgid for proc in running for pgid in _child_process_groups(proc.pid)}
+    for proc in running:
+        _signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for proc in running:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            workers |= _child_process_groups(proc.pid)
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for pgid in workers:
         _signal_group(pgid, signal.SIGKILL)
-    _signal_group(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def _child_process_groups(parent: int) -> set[int]:
@@ -330,7 +332,7 @@ def _explain_failure(returncode: int, watcher: _StderrWatcher, pc: ParallelConfi
     # The command to start on a missing node: this one's, with its overrides (the nodes must agree on the layout).
     command = f"epdraft {getattr(args, 'command', 'launch')} {shlex.quote(str(args.config))}"
     sets = "".join(f" --set {shlex.quote(item)}" for item in args.set)
-    others = " and this command's other flags" if getattr(args, "command", "launch") == "run" else ""
+    also = " and this command's other flags" if getattr(args, "command", "launch") == "run" else ""
     if watcher.nodes_joined is not None:
         joined, expected = watcher.nodes_joined
         others = list(range(1, nnodes))
@@ -342,12 +344,12 @@ def _explain_failure(returncode: int, watcher: _StderrWatcher, pc: ParallelConfi
         return (
             f"rendezvous at {where} timed out after cluster.timeout_s = {timeout:g} s: {joined}/{expected} nodes "
             f"joined, {missing}; start `{command} --node-rank R --master-addr {args.master_addr} "
-            f"--master-port {args.master_port}{sets}`{others} on each missing node"
+            f"--master-port {args.master_port}{sets}`{also} on each missing node"
         )
     if watcher.master_unreachable:
         return (
             f"node {args.node_rank}: node 0 did not join: no rendezvous at {where} within cluster.timeout_s = "
-            f"{timeout:g} s; start `{command} --node-rank 0 --master-port {args.master_port}{sets}`{others} on "
+            f"{timeout:g} s; start `{command} --node-rank 0 --master-port {args.master_port}{sets}`{also} on "
             f"{args.master_addr} (or check --master-addr/--master-port and the firewall)"
         )
     return f"torchrun exited with code {returncode} on node {args.node_rank}; the worker log above names the rank"
