@@ -366,3 +366,21 @@ def test_header_reader_refuses_a_foreign_file(tmp_path):
     path.write_bytes(struct.pack("<Q", 1 << 40))
     with pytest.raises(LoadError, match=r"truncated or not a safetensors file"):
         read_header(path)
+
+
+@pytest.mark.parametrize("dspark,moe,prefix", [(True, True, ""), (False, False, "model."), (True, False, "")])
+def test_meta_load_accepts_every_export_the_ranks_load(tmp_path, dspark, moe, prefix):
+    from epdraft.errors import LoadError
+    from epdraft.models import DFlashDraft, DSparkDraft
+    from epdraft.models.spec import DraftModelSpec
+    from epdraft.preflight import check_draft
+    from tests.models.helpers import draft_config, randomize, write_export
+
+    cfg = draft_config(moe=moe, dspark=dspark)
+    spec = DraftModelSpec.from_config(cfg)
+    draft = (DSparkDraft if dspark else DFlashDraft)(spec)
+    randomize(draft)
+    assert check_draft(write_export(draft, cfg, tmp_path / "ok", prefix=prefix))[0] == spec
+    dropped = "layers.1.mlp.down_proj.weight" if not moe else "layers.1.mlp.experts.7.up_proj.weight"
+    with pytest.raises(LoadError, match=f"missing: .*{dropped}"):
+        check_draft(write_export(draft, cfg, tmp_path / "partial", prefix=prefix, drop=(dropped,)))
