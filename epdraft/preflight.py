@@ -24,8 +24,6 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import Any
-
 from epdraft.config.hf import parse_ffn_config, read_config_json
 from epdraft.config.parallel import ParallelConfig, check_moe_split
 from epdraft.errors import ConfigError, LoadError, RequestError
@@ -68,7 +66,8 @@ def check_run(args: argparse.Namespace, pc: ParallelConfig) -> None:
     if args.check_weights or (args.check_weights is None and _total_bytes(weight_map) <= WEIGHT_CHECK_BYTES):
         check_finite(weight_map)
     else:
-        log.info("draft weights not checked for NaN/inf (over %d GiB; --check-weights reads them)", WEIGHT_CHECK_BYTES >> 30)
+        log.info("draft weights not checked for NaN/inf (over %d GiB; --check-weights reads them)",
+                 WEIGHT_CHECK_BYTES >> 30)  # fmt: skip
 
 
 def check_run_flags(args: argparse.Namespace) -> None:
@@ -126,7 +125,9 @@ def check_finite(weight_map: dict[str, Path]) -> None:
                 tensor = f.get_tensor(name)
                 bad = int((~torch.isfinite(tensor)).sum())
                 if bad:
-                    raise LoadError(f"{file}: {name}: {bad} of {tensor.numel()} values are NaN or inf, expected finite weights")
+                    raise LoadError(
+                        f"{file}: {name}: {bad} of {tensor.numel()} values are NaN or inf, expected finite weights"
+                    )
 
 
 def check_target(path: str | Path, *, draft: str | Path) -> TargetFacts:
@@ -137,7 +138,9 @@ def check_target(path: str | Path, *, draft: str | Path) -> TargetFacts:
     config_file = directory / "config.json"
     config = read_config_json(directory)
     if "dflash_config" in config:
-        raise ConfigError(f"--target {path}: {config_file} has dflash_config: a draft export, expected the target model")
+        raise ConfigError(
+            f"--target {path}: {config_file} has dflash_config: a draft export, expected the target model"
+        )
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     values = {key: config.get(key, text.get(key)) for key in ("hidden_size", "num_hidden_layers", "vocab_size")}
     for key, value in values.items():
@@ -147,7 +150,8 @@ def check_target(path: str | Path, *, draft: str | Path) -> TargetFacts:
     sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
     if sliding:
         raise ConfigError(
-            f"{config_file}: layer_types: layers {sliding} are not full_attention; only full-attention targets are supported"
+            f"{config_file}: layer_types: layers {sliding} are not full_attention; "
+            "only full-attention targets are supported"
         )
     max_positions = config.get("max_position_embeddings", text.get("max_position_embeddings"))
     facts = TargetFacts(
@@ -164,7 +168,7 @@ def check_target(path: str | Path, *, draft: str | Path) -> TargetFacts:
 def _check_target_weights(target: TargetFacts, config_file: Path) -> None:
     """Headers of every safetensors file (truncation), and the embedding's [vocab_size, hidden_size]."""
     if not any(target.path.glob("*.safetensors")) and any(target.path.glob("*.bin")):
-        log.info("%s: PyTorch .bin weights; their shapes are checked by transformers when the ranks load them", target.path)
+        log.info("%s: PyTorch .bin weights; transformers checks their shapes when the ranks load them", target.path)
         return
     weight_map = checkpoint_weight_map(target.path)
     source = HeaderSource(weight_map)
@@ -204,10 +208,12 @@ def check_prompts(path: str | Path, target: TargetFacts, *, max_new_tokens: int,
             )
     if len(refused) == len(lines):
         raise ConfigError(
-            f"--prompts {path}: all {len(lines)} prompts would be refused ({refused[0]}), expected at least one to serve"
+            f"--prompts {path}: all {len(lines)} prompts would be refused ({refused[0]}), "
+            "expected at least one to serve"
         )
     if refused:
-        log.warning("%d of %d prompts will be refused, the others run: %s", len(refused), len(lines), "; ".join(refused[:3]))
+        log.warning("%d of %d prompts will be refused, the others run: %s",
+                    len(refused), len(lines), "; ".join(refused[:3]))  # fmt: skip
 
 
 def _local_dir(path: str | Path, flag: str) -> Path:
@@ -220,5 +226,5 @@ def _local_dir(path: str | Path, flag: str) -> Path:
     return directory
 
 
-def _total_bytes(weight_map: dict[str, Any]) -> int:
+def _total_bytes(weight_map: dict[str, Path]) -> int:
     return sum(Path(f).stat().st_size for f in set(weight_map.values()))

@@ -282,7 +282,8 @@ def _print_tables(results: list[dict], pc: ParallelConfig, sweep: Sweep, gpu_nam
 
 def _check_shapes(args: argparse.Namespace, pc: ParallelConfig) -> None:
     """The synthetic layer's sizes, checked here: inside the spawned ranks a bad one is a traceback per rank."""
-    for flag, values in (("--hidden", args.hidden), ("--experts", (args.experts,)), ("--intermediate", (args.intermediate,))):
+    sizes = {"--hidden": args.hidden, "--experts": (args.experts,), "--intermediate": (args.intermediate,)}
+    for flag, values in sizes.items():
         if min(values) < 1:
             raise ConfigError(f"{flag} {','.join(map(str, values))}: expected integers >= 1")
     bad_k = [k for k in args.top_k if not 1 <= k <= args.experts]
