@@ -65,7 +65,7 @@ def check_run(args: argparse.Namespace, pc: ParallelConfig) -> None:
     check_prompts(args.prompts, target, max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts)
     if args.check_weights or (args.check_weights is None and _total_bytes(weight_map) <= WEIGHT_CHECK_BYTES):
         check_finite(weight_map)
-    else:
+    elif args.check_weights is None:
         log.info("draft weights not checked for NaN/inf (over %d GiB; --check-weights reads them)",
                  WEIGHT_CHECK_BYTES >> 30)  # fmt: skip
 

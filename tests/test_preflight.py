@@ -384,3 +384,11 @@ def test_meta_load_accepts_every_export_the_ranks_load(tmp_path, dspark, moe, pr
     dropped = "layers.1.mlp.down_proj.weight" if not moe else "layers.1.mlp.experts.7.up_proj.weight"
     with pytest.raises(LoadError, match=f"missing: .*{dropped}"):
         check_draft(write_export(draft, cfg, tmp_path / "partial", prefix=prefix, drop=(dropped,)))
+
+
+def test_no_check_weights_skips_the_value_check_only(tmp_path):
+    from epdraft.config.parallel import load_parallel_config
+
+    nan_draft = _draft_tensors(tmp_path, _nan)
+    args = cli.build_parser("run").parse_args(["run", *nan_draft, "--no-check-weights"])
+    check_run(args, load_parallel_config(args.config))  # headers and shapes are fine
