@@ -392,3 +392,32 @@ def test_no_check_weights_skips_the_value_check_only(tmp_path):
     nan_draft = _draft_tensors(tmp_path, _nan)
     args = cli.build_parser("run").parse_args(["run", *nan_draft, "--no-check-weights"])
     check_run(args, load_parallel_config(args.config))  # headers and shapes are fine
+
+
+OTHER_CASES = [
+    (["check", "no/such/draft"], "epdraft check: no/such/draft: cannot read"),
+    (["check", "{bad}"], "epdraft check: {bad}: invalid JSON"),
+    (["launch", "configs/local-cpu-4.toml", "--node-rank", "1"],
+     "epdraft launch: --node-rank 1 is not a node index in [0, cluster.nnodes = 1)"),
+    (["launch", "configs/local-cpu-4.toml", "--set", "cluster.nnodes=2", "--set", "cluster.nproc_per_node=2",
+      "--master-port", "70000"], "epdraft launch: --master-port 70000 is not a TCP port in [1, 65535]"),
+    (["launch", "configs/local-cpu-4.toml", "--set", "cluster.timeout_s=inf"], "cluster.timeout_s = inf: expected"),
+    (["launch", "configs/local-cpu-4.toml", "--set", "draft.moe_ep"], "--set 'draft.moe_ep': expected section.key=value"),
+    (["run", "configs/local-cpu-disagg.toml", "--node-rank", "2"],
+     "epdraft run: --node-rank 2 is not a node index in [0, cluster.nnodes = 2)"),
+    (["plan", "configs/local-cpu-2.toml", "no/such/draft"], "epdraft plan: no/such/draft: cannot read"),
+    (["plan", "configs/nope.toml", str(ASSETS / "tiny-draft")], "epdraft plan: configs/nope.toml: cannot read"),
+    (["bench", "dispatch", "--config", "configs/local-cpu-2.toml", "--rows", "-1"], "epdraft bench: --rows -1 must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("argv,text", OTHER_CASES, ids=[" ".join(c[0][:2]) + f"-{i}" for i, c in enumerate(OTHER_CASES)])
+def test_bad_input_to_the_other_commands_is_one_line(capsys, tmp_path, monkeypatch, argv, text):
+    from epdraft import launch
+
+    monkeypatch.setattr(launch, "run_torchrun", lambda *a, **k: pytest.fail("torchrun was started"))
+    monkeypatch.setattr(run_module, "run_local_nodes", lambda *a, **k: pytest.fail("torchrun was started"))
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"\xff{")
+    line = refused(capsys, [str(bad) if a == "{bad}" else a for a in argv])
+    assert text.replace("{bad}", str(bad)) in line, line

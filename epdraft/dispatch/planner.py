@@ -226,8 +226,9 @@ def main(args: argparse.Namespace) -> int:
     _check_flags(args)
     pc = load_parallel_config(args.config)
     draft_config = Path(args.draft) / "config.json" if Path(args.draft).is_dir() else Path(args.draft)
+    config = read_config_json(args.draft)
     try:
-        spec = DraftMixFFNSpec.from_config(read_config_json(args.draft))
+        spec = DraftMixFFNSpec.from_config(config)
     except ConfigError as e:
         raise ConfigError(f"{draft_config}: {e}") from None
     check_moe_split(pc, spec, source=str(draft_config))  # what `epdraft run` refuses, with its message
