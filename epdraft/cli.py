@@ -11,8 +11,9 @@ import importlib
 import logging
 import sys
 
-from epdraft.errors import EpdraftError
+from epdraft.errors import EpdraftError, Interrupted
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("epdraft.run", "run speculative decoding end to end (the main job)"),
     "launch": ("epdraft.launch", "launch the worker ranks of a config through torchrun"),
@@ -40,9 +41,20 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(next((a for a in argv if a in COMMANDS), None)).parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = args.log_level.upper()
+    if level not in LOG_LEVELS:
+        print(f"epdraft {args.command}: --log-level {args.log_level}: expected one of {', '.join(LOG_LEVELS)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args._main(args)
+    except Interrupted as e:
+        print(f"epdraft {args.command}: {e}", file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:  # Ctrl-C before any rank started (while checking inputs)
+        print(f"epdraft {args.command}: interrupted by SIGINT", file=sys.stderr)
+        return 130
     except EpdraftError as e:
         print(f"epdraft {args.command}: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,8 @@ Each message names what is at fault (file, key path, tensor, rank) and what was 
 input stops the run with one readable line instead of a hang or a stack trace deep in a collective.
 """
 
+import signal
+
 
 class EpdraftError(Exception):
     """Base class of every error epdraft raises on purpose."""
@@ -27,3 +29,14 @@ class StepMismatch(ParallelError):
 
 class RequestError(EpdraftError):
     """One request is malformed (empty prompt, token id outside the vocabulary)."""
+
+
+class Interrupted(EpdraftError):
+    """The user stopped a command that had started ranks (Ctrl-C, SIGTERM, SIGHUP); every rank was stopped.
+
+    The command exits 128 + `signum`, as a shell reports a process killed by that signal.
+    """
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}: every rank stopped")

@@ -19,15 +19,16 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
 from epdraft.config.parallel import ParallelConfig, load_parallel_config
-from epdraft.errors import ConfigError
+from epdraft.errors import ConfigError, Interrupted
 from epdraft.parallel.address import is_loopback
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 # What torch 2.x's static rendezvous prints when it gives up, on node 0 and on the other nodes.
 _NODES_JOINED = re.compile(r"(\d+)/(\d+) clients joined")
 _MASTER_UNREACHABLE = re.compile(r"timed out .* while trying to connect to")
-_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _STOP_GRACE_S = 30.0
 _POLL_S = 0.1
 _PEERS_GRACE_S = 5.0
@@ -113,7 +114,31 @@ def main(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
+    check_master_port(pc, [args.node_rank], args.master_port)
     return run_torchrun(cmd, pc, args)
+
+
+def check_master_port(pc: ParallelConfig, node_ranks: Sequence[int], master_port: int) -> None:
+    """Raise ConfigError when this host is to host the static rendezvous (node 0 of a multi-node
+    config) on a port something else holds: torchrun would fail on it after importing torch, with a
+    traceback, and the other nodes would wait for it until cluster.timeout_s."""
+    if pc.cluster.nnodes == 1 or 0 not in node_ranks:
+        return  # --standalone picks a free port itself; other nodes only connect
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed run's TIME_WAIT is no conflict
+        try:
+            probe.bind(("", master_port))
+        except OSError as e:
+            raise ConfigError(
+                f"--master-port {master_port}: in use on this host ({e.strerror}), where node 0 hosts the "
+                f"rendezvous; expected a free port, e.g. --master-port {_free_port()}"
+            ) from None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
 
 
 def run_torchrun(cmd: list[str], pc: ParallelConfig, args: argparse.Namespace) -> int:
@@ -159,10 +184,14 @@ class _StderrWatcher(threading.Thread):
         self.stream = stream
         self.nodes_joined: tuple[int, int] | None = None
         self.master_unreachable = False
+        # Set once the user interrupts: what torchrun and the ranks print while stopping is their
+        # tracebacks of the signal (~90 lines), not news.
+        self.muted = False
 
     def run(self) -> None:
         for line in self.stream:
-            sys.stderr.write(line)
+            if not self.muted:
+                sys.stderr.write(line)
             if m := _NODES_JOINED.search(line):
                 self.nodes_joined = int(m.group(1)), int(m.group(2))
             elif _MASTER_UNREACHABLE.search(line):
@@ -171,16 +200,16 @@ class _StderrWatcher(threading.Thread):
 
 
 def _run(cmd: list[str]) -> tuple[int, _StderrWatcher]:
-    """Run `cmd` in its own process group, forwarding signals to it; leave no process of it behind."""
+    """Run `cmd` in its own process group, stopping it on SIGINT/SIGTERM/SIGHUP; leave no process of it behind."""
     return _run_all([cmd])[0][0]
 
 
 def _run_all(cmds: Sequence[list[str]]) -> tuple[list[tuple[int, _StderrWatcher]], int | None]:
-    """Run every command at once, each in its own process group, forwarding signals to all of them;
-    the first to fail stops the others. Leave no process of any of them behind.
+    """Run every command at once, each in its own process group; the first to fail stops the others.
+    SIGINT, SIGTERM or SIGHUP stops them all. Leave no process of any of them behind.
 
     Returns each command's (exit code, watcher) and the index of the first to fail (None when all
-    succeeded).
+    succeeded). Raises Interrupted, once every process is gone, when a signal stopped them.
     """
     procs = [
         subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
@@ -189,43 +218,53 @@ def _run_all(cmds: Sequence[list[str]]) -> tuple[list[tuple[int, _StderrWatcher]
     watchers = [_StderrWatcher(proc.stderr) for proc in procs]
     for watcher in watchers:
         watcher.start()
+    interrupted: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        # Only noted here: `_wait_all` stops every node once (a second SIGTERM cuts torchrun's own shutdown short).
+        if not interrupted:
+            interrupted.append(signum)
+            for watcher in watchers:
+                watcher.muted = True
+
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        for sig in _FORWARDED_SIGNALS:
-            previous[sig] = signal.signal(
-                sig, lambda signum, _frame: [_signal_group(proc.pid, signum) for proc in procs]
-            )
+        for sig in _STOP_SIGNALS:
+            previous[sig] = signal.signal(sig, on_signal)
     try:
-        codes, first_failed = _wait_all(procs)
+        codes, first_failed = _wait_all(procs, stop=lambda: bool(interrupted))
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _stop(procs)
         for proc in procs:
-            if proc.poll() is None:
-                _stop(proc)
             _signal_group(proc.pid, signal.SIGKILL)
         for watcher in watchers:
             watcher.join(timeout=5)
+    if interrupted:
+        raise Interrupted(interrupted[0])
     # A negative code means torchrun died of a signal; report it the way a shell would.
     return [(128 - code if code < 0 else code, watcher) for code, watcher in zip(codes, watchers)], first_failed
 
 
-def _wait_all(procs: Sequence[subprocess.Popen]) -> tuple[list[int], int | None]:
+def _wait_all(
+    procs: Sequence[subprocess.Popen], stop: Callable[[], bool] = lambda: False
+) -> tuple[list[int], int | None]:
     """Exit codes of `procs` once all exited, and the index of the first to fail (None if none).
 
-    After the first failure the others get `_PEERS_GRACE_S` to fail on their own, so their ranks
-    can log which peer went silent, then are stopped (`_stop`): ranks of one world would otherwise
-    wait on the failed ones until their timeout.
+    Every process is polled every round, so whichever fails first is the one named. After the
+    first failure the others get `_PEERS_GRACE_S` to fail on their own, so their ranks can log which
+    peer went silent, then are stopped (`_stop`): ranks of one world would otherwise wait on the
+    failed ones until their timeout. `stop()` true (the user interrupted) stops them at once.
     """
-    first_failed, stop_at = None, 0.0
-    while any(proc.poll() is None for proc in procs):
+    first_failed, stop_at = None, math.inf
+    while None in (codes := [proc.poll() for proc in procs]):
         if first_failed is None:
-            first_failed = next((i for i, proc in enumerate(procs) if proc.returncode not in (None, 0)), None)
-            stop_at = time.monotonic() + _PEERS_GRACE_S
-        if first_failed is not None and time.monotonic() >= stop_at:
-            for proc in procs:
-                if proc.poll() is None:
-                    _stop(proc)
+            first_failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
+            if first_failed is not None:
+                stop_at = time.monotonic() + _PEERS_GRACE_S
+        if stop() or time.monotonic() >= stop_at:
+            _stop(procs)
         else:
             time.sleep(_POLL_S)
     if first_failed is None:
@@ -233,22 +272,28 @@ def _wait_all(procs: Sequence[subprocess.Popen]) -> tuple[list[int], int | None]
     return [proc.returncode for proc in procs], first_failed
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Ask torchrun to stop its workers; if it does not within the grace period, kill them and it.
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    """Ask each running torchrun to stop its workers, once; kill whatever is left after the grace period.
 
     torchrun starts each worker in a session of its own, so killing torchrun's group alone would
-    orphan them: their groups are found through /proc while torchrun is still their parent.
+    orphan them: their groups are found through /proc while torchrun is still their parent, and
+    killed at the end even when torchrun exited (a second SIGTERM, or one during its startup, can
+    make it exit without stopping them).
     """
-    _signal_group(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=_STOP_GRACE_S)
-        return
-    except subprocess.TimeoutExpired:
-        pass
-    for pgid in _child_process_groups(proc.pid):
+    running = [proc for proc in procs if proc.poll() is None]
+    workers = {pgid for proc in running for pgid in _child_process_groups(proc.pid)}
+    for proc in running:
+        _signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for proc in running:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            workers |= _child_process_groups(proc.pid)
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for pgid in workers:
         _signal_group(pgid, signal.SIGKILL)
-    _signal_group(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def _child_process_groups(parent: int) -> set[int]:
@@ -274,6 +319,10 @@ def _signal_group(pgid: int, signum: int) -> None:
 def _explain_failure(returncode: int, watcher: _StderrWatcher, pc: ParallelConfig, args: argparse.Namespace) -> str:
     nnodes, timeout = pc.cluster.nnodes, pc.cluster.timeout_s
     where = f"{args.master_addr}:{args.master_port}"
+    # The command to start on a missing node: this one's, with its overrides (the nodes must agree on the layout).
+    command = f"epdraft {getattr(args, 'command', 'launch')} {shlex.quote(str(args.config))}"
+    sets = "".join(f" --set {shlex.quote(item)}" for item in args.set)
+    also = " and this command's other flags" if getattr(args, "command", "launch") == "run" else ""
     if watcher.nodes_joined is not None:
         joined, expected = watcher.nodes_joined
         others = list(range(1, nnodes))
@@ -284,13 +333,13 @@ def _explain_failure(returncode: int, watcher: _StderrWatcher, pc: ParallelConfi
         )
         return (
             f"rendezvous at {where} timed out after cluster.timeout_s = {timeout:g} s: {joined}/{expected} nodes "
-            f"joined, {missing}; start `epdraft launch {args.config} --node-rank R --master-addr {args.master_addr} "
-            f"--master-port {args.master_port}` on each missing node"
+            f"joined, {missing}; start `{command} --node-rank R --master-addr {args.master_addr} "
+            f"--master-port {args.master_port}{sets}`{also} on each missing node"
         )
     if watcher.master_unreachable:
         return (
             f"node {args.node_rank}: node 0 did not join: no rendezvous at {where} within cluster.timeout_s = "
-            f"{timeout:g} s; start `epdraft launch {args.config} --node-rank 0` on {args.master_addr} "
-            "(or check --master-addr/--master-port and the firewall)"
+            f"{timeout:g} s; start `{command} --node-rank 0 --master-port {args.master_port}{sets}`{also} on "
+            f"{args.master_addr} (or check --master-addr/--master-port and the firewall)"
         )
     return f"torchrun exited with code {returncode} on node {args.node_rank}; the worker log above names the rank"

@@ -9,6 +9,9 @@ A config of several nodes whose `--master-addr` is loopback (the default) can on
 so without `--node-rank` every node's torchrun is started here (e.g. configs/local-cpu-disagg.toml:
 node 0 the target ranks, node 1 the draft ranks), and the first to fail stops the others; with
 `--node-rank N` only node N's.
+
+Before torchrun starts, `epdraft.preflight` checks the flags, the draft, the target, the prompts and
+the rendezvous port: a bad input stops the command with one line (exit 2) and no rank starts.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import argparse
 from pathlib import Path
 
 from epdraft.config.parallel import load_parallel_config
-from epdraft.launch import add_node_arguments, run_local_nodes, run_torchrun, torchrun_command
+from epdraft.launch import add_node_arguments, check_master_port, run_local_nodes, run_torchrun, torchrun_command
 from epdraft.parallel.address import is_loopback
+from epdraft.preflight import WEIGHT_CHECK_BYTES, check_run
 
 PACKAGE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = PACKAGE / "configs" / "local-cpu-2.toml"
@@ -41,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="target and draft weights' dtype (default: bfloat16 on CUDA, where the fused expert "
                              "kernels run, float32 on CPU)")
+    parser.add_argument(
+        "--check-weights", action=argparse.BooleanOptionalAction, default=None,
+        help=f"read the draft's weights once before starting and refuse NaN/inf (default: when the draft is "
+        f"under {WEIGHT_CHECK_BYTES >> 30} GiB)",
+    )  # fmt: skip
     add_node_arguments(parser)
     # None: this node only on a single-node config or a remote master, every node when the master is loopback.
     parser.set_defaults(node_rank=None)
@@ -52,6 +61,7 @@ def main(args: argparse.Namespace) -> int:
     pc = load_parallel_config(args.config, args.set)
     # What this host can run (CUDA or not, the backend `auto` resolves to) is refused here, before any rank starts.
     resolve_backend(pc)
+    check_run(args, pc)
     worker_args = [
         "--draft", args.draft,
         "--target", args.target,
@@ -80,6 +90,7 @@ def main(args: argparse.Namespace) -> int:
         )
         for node in node_ranks
     ]
+    check_master_port(pc, node_ranks, args.master_port)
     if local_nodes:
         return run_local_nodes(cmds, pc, args)
     args.node_rank = node_ranks[0]

@@ -1,7 +1,7 @@
 """DESIGN.md's layer order, enforced: every import in epdraft/ (module level or inside a function)
 goes down the list, and no two packages import each other.
 
-    cli, launch, run, check, bench  ->  worker  ->  runtime  ->  parallel, models, target
+    cli, launch, run, check, preflight, bench  ->  worker  ->  runtime  ->  parallel, models, target
         ->  layers, dispatch, loading, kernels  ->  config  ->  errors
 """
 
@@ -17,7 +17,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "epdraft"
 
 TIERS: tuple[tuple[str, ...], ...] = (
-    ("cli", "launch", "run", "check", "bench"),
+    ("cli", "launch", "run", "check", "preflight", "bench"),
     ("worker",),
     ("runtime",),
     ("parallel", "models", "target"),

@@ -281,6 +281,22 @@ def _print_tables(results: list[dict], pc: ParallelConfig, sweep: Sweep, gpu_nam
               "d/c GB/s: achieved by dispatch/combine; d %NVL: dispatch's share of NVLink")  # fmt: skip
 
 
+def _check_shapes(args: argparse.Namespace, pc: ParallelConfig) -> None:
+    """The synthetic layer's sizes, checked here: inside the spawned ranks a bad one is a traceback per rank."""
+    sizes = {"--hidden": args.hidden, "--experts": (args.experts,), "--intermediate": (args.intermediate,)}
+    for flag, values in sizes.items():
+        if min(values) < 1:
+            raise ConfigError(f"{flag} {','.join(map(str, values))}: expected integers >= 1")
+    bad_k = [k for k in args.top_k if not 1 <= k <= args.experts]
+    if bad_k:
+        raise ConfigError(f"--top-k {bad_k[0]}: expected 1 <= top-k <= --experts {args.experts}")
+    d = pc.draft
+    if args.experts % d.moe_ep:
+        raise ConfigError(f"--experts {args.experts}: draft.moe_ep = {d.moe_ep} must divide it")
+    if args.intermediate % d.moe_tp:
+        raise ConfigError(f"--intermediate {args.intermediate}: draft.moe_tp = {d.moe_tp} must divide it")
+
+
 def main(args: argparse.Namespace) -> int:
     if min(args.rows) < 0 or args.steps < 1 or args.warmup < 0:
         rows = ",".join(map(str, args.rows))
@@ -288,6 +304,7 @@ def main(args: argparse.Namespace) -> int:
     cuda = args.device == "cuda"
     asked = load_parallel_config(args.config, args.set)
     pc = load_parallel_config(args.config, [*args.set, *(CUDA_OVERRIDES if cuda else CPU_OVERRIDES)])
+    _check_shapes(args, pc)
     default_a2a = asked.draft.a2a_backend if cuda else "torch"
     a2a = [b for b in args.a2a_backends.split(",") if b] if args.a2a_backends else [default_a2a]
     for backend in a2a:

@@ -29,12 +29,17 @@ if sys.version_info >= (3, 11):
 else:  # the same parser, before it joined the standard library
     import tomli as tomllib
 
+from epdraft.config.ffn import DraftMixFFNSpec
 from epdraft.errors import ConfigError
 
 # The all-to-all backends that need CUDA GPUs (and an NCCL group): refused here on a CPU config.
 CUDA_A2A_BACKENDS = ("deepep", "mooncake")
 # Backends whose buffers are fixed at build time: they need draft.max_rows_per_rank.
 FIXED_BUFFER_A2A_BACKENDS = ("deepep", "mooncake")
+# Below a second the rendezvous and process-group init time out on any host; above a day a hang
+# would never be reported. `inf` would also overflow the timedelta every rank builds from it.
+MIN_TIMEOUT_S = 1.0
+MAX_TIMEOUT_S = 86400.0
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -163,6 +168,11 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 def _check_cluster(pc: ParallelConfig) -> None:
     c = pc.cluster
+    if not MIN_TIMEOUT_S <= c.timeout_s <= MAX_TIMEOUT_S:
+        raise ConfigError(
+            f"cluster.timeout_s = {c.timeout_s:g}: expected seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] "
+            "(it bounds the rendezvous, process-group init and every collective)"
+        )
     if c.device == "cpu" and c.backend == "nccl":
         raise ConfigError("cluster.backend = 'nccl' needs CUDA but cluster.device = 'cpu'; use 'gloo' or 'auto'")
     if c.device == "cpu" and pc.draft.a2a_backend in CUDA_A2A_BACKENDS:
@@ -244,6 +254,28 @@ def _check_draft(pc: ParallelConfig) -> None:
         )
 
 
+def check_moe_split(pc: ParallelConfig, ffn: DraftMixFFNSpec, *, source: str = "draft") -> None:
+    """Raise ConfigError when draft.moe_ep does not divide a MoE layer's experts, or draft.moe_tp its
+    expert intermediate size: every sharded layout (and `auto`'s candidates) splits them evenly.
+
+    The same check the ranks make when they build their expert shard, made where both the
+    parallel config and the draft's config are known (`epdraft run` before launching, `epdraft plan`).
+    """
+    d = pc.draft
+    for layer_id in ffn.moe_layers:
+        moe = ffn.layers[layer_id]
+        if moe.num_experts % d.moe_ep:
+            raise ConfigError(
+                f"draft.moe_ep = {d.moe_ep} must divide the draft's {moe.num_experts} experts "
+                f"({source}, layer {layer_id})"
+            )
+        if moe.intermediate_size % d.moe_tp:
+            raise ConfigError(
+                f"draft.moe_tp = {d.moe_tp} must divide the draft's expert intermediate size "
+                f"{moe.intermediate_size} ({source}, layer {layer_id})"
+            )
+
+
 # Loading: file -> dict -> overrides -> msgspec.convert, so every failure becomes a ConfigError with a key path.
 
 _MSGSPEC_PATH = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
@@ -304,9 +336,13 @@ def _read_file(path: Path) -> dict[str, Any]:
     if suffix not in (".toml", ".yaml", ".yml", ".json"):
         raise ConfigError(f"{path}: unknown config format {suffix!r}; expected .toml, .yaml, .yml or .json")
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the parallel config: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}), expected a UTF-8 config file"
+        ) from None
     try:
         if suffix == ".toml":
             data = tomllib.loads(text)

@@ -19,7 +19,7 @@ import msgspec
 import torch.distributed as dist
 
 from epdraft.config.ffn import DraftMixFFNSpec, DraftMoeFFNSpec
-from epdraft.config.parallel import ParallelConfig
+from epdraft.config.parallel import ParallelConfig, check_moe_split
 from epdraft.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -112,13 +112,7 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
             return cls.local(
                 **facts, device_type=groups.device_type, chosen_by_auto=d.moe_layout == "auto", reason=reason
             )
-        if first.num_experts % d.moe_ep:
-            raise ConfigError(f"draft.moe_ep = {d.moe_ep} must divide the draft's {first.num_experts} experts")
-        for i, layer in zip(ffn.moe_layers, moe_layers):
-            if layer.intermediate_size % d.moe_tp:
-                raise ConfigError(
-                    f"draft.moe_tp = {d.moe_tp} must divide layer {i}'s expert intermediate size {layer.intermediate_size}"
-                )
+        check_moe_split(pc, ffn)
         resolved = cls(
             layout=layout,
             backend=d.a2a_backend if layout == "alltoall" else "torch",

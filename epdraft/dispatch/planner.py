@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+from pathlib import Path
 
 from epdraft.config.ffn import DraftMixFFNSpec, DraftMoeFFNSpec
 from epdraft.config.parallel import ParallelConfig
@@ -203,12 +205,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per expert weight (default 2, bf16)")
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """Negative rows or bandwidths would print a plan of negative costs; refuse them instead."""
+    positive = {"--bandwidth-gbps": args.bandwidth_gbps, "--mem-bw-gbps": args.mem_bw_gbps, "--memory-gib": args.memory_gib}
+    for flag, value in positive.items():
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{flag} {value:g}: expected a finite number > 0")
+    if args.latency_us is not None and not (math.isfinite(args.latency_us) and args.latency_us >= 0):
+        raise ConfigError(f"--latency-us {args.latency_us:g}: expected a finite number >= 0")
+    if args.rows < 0:
+        raise ConfigError(f"--rows {args.rows}: expected an integer >= 0")
+    if args.dtype_bytes < 1:
+        raise ConfigError(f"--dtype-bytes {args.dtype_bytes}: expected an integer >= 1")
+
+
 def main(args: argparse.Namespace) -> int:
     from epdraft.config.hf import read_config_json
-    from epdraft.config.parallel import load_parallel_config
+    from epdraft.config.parallel import check_moe_split, load_parallel_config
 
+    _check_flags(args)
     pc = load_parallel_config(args.config)
-    spec = DraftMixFFNSpec.from_config(read_config_json(args.draft))
+    draft_config = Path(args.draft) / "config.json" if Path(args.draft).is_dir() else Path(args.draft)
+    config = read_config_json(args.draft)
+    try:
+        spec = DraftMixFFNSpec.from_config(config)
+    except ConfigError as e:
+        raise ConfigError(f"{draft_config}: {e}") from None
+    check_moe_split(pc, spec, source=str(draft_config))  # what `epdraft run` refuses, with its message
     if not spec.moe_layers:
         print(f"{args.draft}: no MoE layer; every layout is 'replicated' (no expert communication)")
         return 0

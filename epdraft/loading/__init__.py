@@ -2,14 +2,24 @@
 
 from epdraft.loading.ffn import check_ffn_loaded, load_ffn, load_into
 from epdraft.loading.shard import ExpertShard
-from epdraft.loading.source import DictSource, SafetensorsSource, TensorSource, as_source, open_checkpoint
+from epdraft.loading.source import (
+    DictSource,
+    HeaderSource,
+    SafetensorsSource,
+    TensorSource,
+    as_source,
+    checkpoint_weight_map,
+    open_checkpoint,
+)
 
 __all__ = [
     "DictSource",
     "ExpertShard",
+    "HeaderSource",
     "SafetensorsSource",
     "TensorSource",
     "as_source",
+    "checkpoint_weight_map",
     "check_ffn_loaded",
     "load_ffn",
     "load_into",

@@ -15,6 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from epdraft.errors import LoadError
+from epdraft.loading.header import TensorHeader, read_header
 
 Index = tuple[slice, ...]
 """Slices per leading dim (missing trailing dims = whole); () reads the whole tensor."""
@@ -95,15 +96,7 @@ class SafetensorsSource:
         self.close()
 
 
-def _file_keys(path: Path) -> list[str]:
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return list(f.keys())
-    except (OSError, SafetensorError) as e:
-        raise LoadError(f"{path}: cannot read safetensors file: {e}") from e
-
-
-def _from_index(index_path: Path) -> SafetensorsSource:
+def _from_index(index_path: Path) -> dict[str, Path]:
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -112,21 +105,21 @@ def _from_index(index_path: Path) -> SafetensorsSource:
     for shard in sorted(set(files.values())):
         if not shard.is_file():
             raise LoadError(f"{index_path}: shard {shard.name} listed in weight_map does not exist")
-    return SafetensorsSource(files)
+    return files
 
 
-def _from_files(paths: list[Path]) -> SafetensorsSource:
+def _from_files(paths: list[Path]) -> dict[str, Path]:
     files: dict[str, Path] = {}
     for path in paths:
-        for name in _file_keys(path):
+        for name in read_header(path):
             if name in files:
                 raise LoadError(f"tensor {name} is in both {files[name]} and {path}; add a {INDEX_FILE}")
             files[name] = path
-    return SafetensorsSource(files)
+    return files
 
 
-def open_checkpoint(path: str | Path) -> SafetensorsSource:
-    """A lazy source over a checkpoint: a `.safetensors` file, an index json, or a directory.
+def checkpoint_weight_map(path: str | Path) -> dict[str, Path]:
+    """Tensor name -> the file holding it, for a `.safetensors` file, an index json, or a directory.
 
     A directory uses its `model.safetensors.index.json` if present, else every `*.safetensors`
     file in it. Raises LoadError naming the path when nothing readable is there.
@@ -144,6 +137,39 @@ def open_checkpoint(path: str | Path) -> SafetensorsSource:
     if path.suffix == ".safetensors" and path.is_file():
         return _from_files([path])
     raise LoadError(f"{path}: not a safetensors file, index json or checkpoint directory")
+
+
+def open_checkpoint(path: str | Path) -> SafetensorsSource:
+    """A lazy source over a checkpoint (see `checkpoint_weight_map` for what `path` may be)."""
+    return SafetensorsSource(checkpoint_weight_map(path))
+
+
+class HeaderSource:
+    """A checkpoint seen through its safetensors headers only: `get` returns meta tensors.
+
+    Loading a draft built on the meta device from this source runs every name and shape check of
+    the real load without reading (or allocating) a byte of weights: what the launcher checks
+    before any rank starts. Every file's header is read, and checked for truncation, up front.
+    """
+
+    def __init__(self, weight_map: Mapping[str, Path]) -> None:
+        headers = {path: read_header(path) for path in sorted(set(weight_map.values()))}
+        self.files = tuple(headers)
+        self.tensors: dict[str, TensorHeader] = {}
+        for name, path in weight_map.items():
+            if name not in headers[path]:
+                raise LoadError(f"{path}: has no tensor {name}, which the index places there")
+            self.tensors[name] = headers[path][name]
+
+    def keys(self) -> Iterable[str]:
+        return self.tensors.keys()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name].shape
+
+    def get(self, name: str, index: Index = ()) -> torch.Tensor:
+        tensor = torch.empty(self.tensors[name].shape, device="meta")
+        return tensor[index] if index else tensor
 
 
 def as_source(tensors: Mapping[str, torch.Tensor] | TensorSource) -> TensorSource:

@@ -60,11 +60,14 @@ class HFTarget:
     def from_pretrained(
         cls, path: str | Path, feature_layer_ids: Sequence[int], *, dtype: torch.dtype = torch.float32, device="cpu"
     ) -> "HFTarget":
-        """Load a saved HF model directory; LoadError names the path when it cannot be read."""
+        """Load a saved HF model directory; LoadError names the path when it cannot be read.
+
+        Local files only: a mistyped directory must fail as missing, not be fetched as a hub id.
+        """
         from transformers import AutoModelForCausalLM
 
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device)
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True).to(device)
         except (OSError, ValueError) as e:
             raise LoadError(f"{path}: cannot load the target model: {e}") from e
         return cls(model, feature_layer_ids)

@@ -23,7 +23,7 @@ from epdraft.models.spec import DraftModelSpec, check_against_target
 from epdraft.parallel.groups import Groups, resolve_backend
 from epdraft.runtime import DraftRuntime, PhaseTimers
 from epdraft.target.hf import HFTarget
-from epdraft.worker.prompts import read_prompts
+from epdraft.target.prompts import read_prompts
 from epdraft.worker.serve import LocalDrafter, assign_prompts, greedy_reference, serve_requests
 from epdraft.worker.summary import RankReport, format_summary, summarize
 
@@ -145,7 +145,8 @@ def report_to_root(
     """Gather every rank's report on `root` (a global rank of `group`), which prints the summary
     (and writes it as JSON when asked); `select` picks and merges the reports that make it.
 
-    Returns False on the root when the lossless check failed, True otherwise.
+    Returns False on the root when the lossless check failed or nothing was generated (every
+    request refused is no success), True otherwise.
     """
     is_root = dist.get_rank() == root
     gathered: list[bytes | None] | None = [None] * dist.get_world_size(group) if is_root else None
@@ -157,4 +158,4 @@ def report_to_root(
     print(format_summary(summary), flush=True)
     if job.json_out:
         Path(job.json_out).write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
-    return summary.lossless is not False
+    return summary.lossless is not False and summary.generated_tokens > 0

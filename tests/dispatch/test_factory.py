@@ -105,9 +105,9 @@ def test_layouts_resolve_once_and_build_or_refuse_with_the_key():
     layout, by_auto, reason, label = out["auto"]
     assert by_auto and reason.startswith(layout) and label.endswith(", chosen by auto")
     assert out["no_moe"] == "replicated"
-    assert out["experts_split"] == "ConfigError: draft.moe_ep = 2 must divide the draft's 7 experts"
+    assert out["experts_split"] == "ConfigError: draft.moe_ep = 2 must divide the draft's 7 experts (draft, layer 0)"
     assert out["intermediate_split"] == (
-        "ConfigError: draft.moe_tp = 2 must divide layer 1's expert intermediate size 33"
+        "ConfigError: draft.moe_tp = 2 must divide the draft's expert intermediate size 33 (draft, layer 1)"
     )
     assert out["layers_disagree"].startswith("ConfigError: layer 1: 8 experts top-3, layer 0: 8 top-2; ")
     assert out["group_mismatch"] == (

@@ -72,8 +72,8 @@ def test_bad_requests_are_refused_and_the_others_finish(tmp_path):
     assert summary["generated_tokens"] == 2 * 16
 
 
-@pytest.mark.timeout(300)
-def test_draft_hidden_size_mismatch_is_a_clear_error(tmp_path):
+@pytest.mark.timeout(60)
+def test_draft_whose_config_contradicts_its_weights_is_refused_before_any_rank(tmp_path):
     import shutil
 
     draft = tmp_path / "draft"
@@ -81,6 +81,23 @@ def test_draft_hidden_size_mismatch_is_a_clear_error(tmp_path):
     config = json.loads((draft / "config.json").read_text())
     config["hidden_size"] = 2 * config["hidden_size"]
     (draft / "config.json").write_text(json.dumps(config))
-    proc, summary = run_epdraft(["--draft", str(draft), "--max-prompts", "2", "--max-new-tokens", "8"], tmp_path)
-    assert proc.returncode != 0 and summary is None
-    assert "draft hidden_size (256) != target hidden_size (128)" in proc.stderr, proc.stderr
+    proc, summary = run_epdraft(["--draft", str(draft), "--max-prompts", "2", "--max-new-tokens", "8"], tmp_path, 50)
+    assert proc.returncode == 2 and summary is None
+    assert proc.stderr == f"epdraft run: {draft}: fc.weight: expected shape [256, 512], found [128, 256]\n", proc.stderr
+    assert not proc.stdout
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_whose_every_request_is_refused_exits_non_zero(tmp_path):
+    """Past the launcher's preflight (an engine may start the worker itself): 0 tokens is no success."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"input_ids": []}\n{"input_ids": [100000]}\n')
+    one_rank = ["--set", "cluster.nproc_per_node=1", "--set", "draft.attn_dp=1", "--set", "target.dp=1",
+                "--set", "draft.moe_layout=replicated", "--set", "draft.moe_ep=1"]  # fmt: skip
+    env = {**_env(), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}  # fmt: skip
+    cmd = [sys.executable, "-m", "epdraft.worker", "--config", "configs/local-cpu-2.toml", *one_rank,
+           "--draft", "epdraft/assets/tiny-draft", "--target", "epdraft/assets/tiny-target", "--prompts", str(prompts)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "requests: 2 (2 refused)" in proc.stdout, proc.stdout

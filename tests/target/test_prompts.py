@@ -5,7 +5,7 @@ import json
 import pytest
 
 from epdraft.errors import ConfigError
-from epdraft.worker.prompts import read_prompts
+from epdraft.target.prompts import read_prompts
 
 
 def _write(tmp_path, lines):
@@ -38,6 +38,9 @@ def test_text_goes_through_the_targets_tokenizer(tmp_path):
         (json.dumps({"ids": [1]}), r"prompts.jsonl:1: expected a JSON object with 'input_ids'"),
         (json.dumps({"input_ids": "1 2"}), r"prompts.jsonl:1: input_ids must be a list of token ids, got str"),
         (json.dumps({"text": "hi"}), r"prompts.jsonl:1: has 'text' but no tokenizer could be loaded"),
+        (json.dumps({"text": 7}), r"prompts.jsonl:1: text must be a string, got int"),
+        (json.dumps({"input_ids": [1, True]}), r"prompts.jsonl:1: input_ids\[1\] = true is not a token id"),
+        (json.dumps({"input_ids": [1.5]}), r"prompts.jsonl:1: input_ids\[0\] = 1.5 is not a token id"),
     ],
 )
 def test_bad_lines_are_named(tmp_path, line, message):
@@ -48,3 +51,18 @@ def test_bad_lines_are_named(tmp_path, line, message):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"--prompts .*missing.jsonl: cannot read"):
         read_prompts(tmp_path / "missing.jsonl")
+
+
+def test_non_utf8_file_names_the_line(tmp_path):
+    p = tmp_path / "prompts.jsonl"
+    p.write_bytes(b'{"input_ids": [1]}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ConfigError, match=r"prompts.jsonl:2: not UTF-8 \(byte 0xe9\)"):
+        read_prompts(p)
+
+
+def test_a_directory_without_tokenizer_files_is_refused_before_transformers(tmp_path):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("{}")
+    p = _write(tmp_path, [json.dumps({"text": "hello"})])
+    with pytest.raises(ConfigError, match=r"prompts.jsonl:1: has 'text' but no tokenizer .*none of tokenizer.json"):
+        read_prompts(p, tokenizer_dir=tmp_path / "target")
