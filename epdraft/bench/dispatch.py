@@ -3,7 +3,8 @@
 `--device cpu` (default): the config's ranks as CPU processes over gloo, fp32, whatever the
 config's device: this measures the layouts' protocol cost, not a GPU. `--device cuda`: an NCCL
 world of the config's size on this host's GPUs (rank r on cuda:r), bf16; `--a2a-backends` adds
-DeepEP (`deepep`, `deepep_ll` = low-latency kernels) and Mooncake EP to the alltoall layout, and
+`torch_fixed` (one equal-split collective per direction), DeepEP (`deepep`, `deepep_ll` =
+low-latency kernels) and Mooncake EP to the alltoall layout, and
 each layout reports the bytes its dispatch sends per rank against NVLink's 450 GB/s per direction.
 
 For every layout the config's moe_ep x moe_tp allows, and every combination of `--rows`,
@@ -40,7 +41,8 @@ from epdraft.parallel.spawn import run_local_ranks
 PHASES = ("sync", "dispatch", "experts", "combine")
 CPU_OVERRIDES = ('cluster.device="cpu"', 'cluster.backend="gloo"', 'draft.a2a_backend="torch"')
 CUDA_OVERRIDES = ('cluster.device="cuda"', 'cluster.backend="nccl"', 'draft.a2a_backend="torch"')
-A2A_BACKENDS = ("torch", "deepep", "deepep_ll", "mooncake")
+A2A_BACKENDS = ("torch", "torch_fixed", "deepep", "deepep_ll", "mooncake")
+CPU_A2A_BACKENDS = ("torch", "torch_fixed")
 NVLINK_GB_S = 450.0  # H100/H200 NVLink 4, per direction
 _PER_PAIR = ("deepep_ll", "mooncake")  # fixed-buffer kernels send one copy per (token, expert), not per (token, rank)
 
@@ -123,12 +125,12 @@ def _sent_rows(layout: str, backend: str, ids_TK: torch.Tensor, group_rank: int,
 
     gather: its rows (every rank has as many, so no max_len padding) to each other member; alltoall:
     one row per (token, other owner rank), or per (token, expert on another rank) for the
-    fixed-buffer backends. moe_tp = 1 under alltoall, so group rank = EP rank.
+    fixed-buffer backends, or a full slab per peer for torch_fixed. moe_tp = 1 under alltoall, so group rank = EP rank.
     """
     T = ids_TK.shape[0]
     if layout == "replicated":
         return 0
-    if layout == "gather":
+    if layout == "gather" or backend == "torch_fixed":  # torch_fixed: a slab of C = T rows to each peer
         return T * (group_size - 1)
     elsewhere_TK = ids_TK // e != group_rank
     if backend in _PER_PAIR:
@@ -308,8 +310,8 @@ def main(args: argparse.Namespace) -> int:
     default_a2a = asked.draft.a2a_backend if cuda else "torch"
     a2a = [b for b in args.a2a_backends.split(",") if b] if args.a2a_backends else [default_a2a]
     for backend in a2a:
-        if backend not in A2A_BACKENDS or (backend != "torch" and not cuda):
-            allowed = A2A_BACKENDS if cuda else ("torch",)
+        if backend not in A2A_BACKENDS or (backend not in CPU_A2A_BACKENDS and not cuda):
+            allowed = A2A_BACKENDS if cuda else CPU_A2A_BACKENDS
             raise ConfigError(f"--a2a-backends {backend!r}: --device {args.device} takes {', '.join(allowed)}")
     sweep = Sweep(
         device=args.device, rows=args.rows, hidden=args.hidden, top_k=args.top_k, experts=args.experts,

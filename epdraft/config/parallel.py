@@ -65,7 +65,13 @@ class DraftConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     moe_layout: Literal["replicated", "alltoall", "gather", "auto"] = "replicated"
     moe_ep: Annotated[int, msgspec.Meta(ge=1, description="ranks sharing one copy of the experts (by expert)")] = 1
     moe_tp: Annotated[int, msgspec.Meta(ge=1, description="slices of each expert's intermediate dim")] = 1
-    a2a_backend: Literal["torch", "deepep", "mooncake"] = "torch"
+    a2a_backend: Annotated[
+        Literal["torch", "torch_fixed", "deepep", "mooncake"],
+        msgspec.Meta(
+            description="alltoall transport: torch (exact splits), torch_fixed (one equal-split collective per "
+            "direction, no host sync), deepep, mooncake"
+        ),
+    ] = "torch"
     dp_padding: Literal["max_len", "sum_len"] = "max_len"
     low_latency: Annotated[
         bool, msgspec.Meta(description="deepep only: the fixed-buffer low-latency kernels (no host sync)")

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 REGISTRY: dict[tuple[str, str], str] = {
     ("gather", "torch"): "epdraft.dispatch.gather:GatherDispatcher",
     ("alltoall", "torch"): "epdraft.dispatch.alltoall:AllToAllDispatcher",
+    ("alltoall", "torch_fixed"): "epdraft.dispatch.fixed_alltoall:FixedAllToAllDispatcher",
     ("alltoall", "deepep"): "epdraft.dispatch.deepep:DeepEPDispatcher",
     ("alltoall", "mooncake"): "epdraft.dispatch.mooncake:MooncakeDispatcher",
 }
