@@ -76,6 +76,19 @@ class DraftConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     low_latency: Annotated[
         bool, msgspec.Meta(description="deepep only: the fixed-buffer low-latency kernels (no host sync)")
     ] = False
+    cuda_graphs: Annotated[
+        bool,
+        msgspec.Meta(
+            description="replay the draft step from CUDA graphs (CUDA; replicated, gather, torch_fixed or deepep "
+            "low_latency dispatch)"
+        ),
+    ] = False
+    max_requests: Annotated[
+        int, msgspec.Meta(ge=0, description="requests one rank holds at once (KV pool slots); 0 = sized by the run")
+    ] = 0
+    max_context: Annotated[
+        int, msgspec.Meta(ge=0, description="context rows one request may reach (KV pool rows); 0 = sized by the run")
+    ] = 0
     max_rows_per_rank: Annotated[
         int,
         msgspec.Meta(
@@ -253,6 +266,8 @@ def _check_draft(pc: ParallelConfig) -> None:
             f"draft.low_latency = true selects DeepEP's low-latency kernels; it needs draft.a2a_backend = 'deepep' "
             f"(got {d.a2a_backend!r})"
         )
+    if d.cuda_graphs and pc.cluster.device == "cpu":
+        raise ConfigError("draft.cuda_graphs = true needs CUDA but cluster.device = 'cpu'")
     if d.a2a_backend in FIXED_BUFFER_A2A_BACKENDS and d.max_rows_per_rank == 0:
         raise ConfigError(
             f"draft.max_rows_per_rank = 0: draft.a2a_backend = {d.a2a_backend!r} sizes fixed buffers and needs "

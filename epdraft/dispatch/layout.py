@@ -55,6 +55,7 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
     num_experts / hidden_size / top_k: what every MoE layer of the draft moves (one dispatcher
         serves them all, so they must agree).
     device_type: "cpu" | "cuda", where the experts run.
+    cuda_graphs: the draft step is replayed from CUDA graphs (the dispatcher must be `capturable`).
     chosen_by_auto / reason: whether `auto` picked the layout, and the planner's one-line why.
     """
 
@@ -71,6 +72,7 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
     hidden_size: int
     top_k: int
     device_type: str = "cpu"
+    cuda_graphs: bool = False
     chosen_by_auto: bool = False
     reason: str | None = None
 
@@ -94,7 +96,9 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
         d = pc.draft
         moe_layers = [layer for layer in ffn.layers if isinstance(layer, DraftMoeFFNSpec)]
         if not moe_layers:
-            return cls.local(0, ffn.hidden_size, 0, device_type=groups.device_type)
+            return cls._checked_graphs(
+                cls.local(0, ffn.hidden_size, 0, device_type=groups.device_type, cuda_graphs=d.cuda_graphs)
+            )
         first = moe_layers[0]
         for i, layer in zip(ffn.moe_layers, moe_layers):
             if (layer.num_experts, layer.top_k) != (first.num_experts, first.top_k):
@@ -107,11 +111,13 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
             choice = choose_for_config(pc, ffn)
             layout, padding, reason = choice.layout, choice.dp_padding, choice.reason
             log.info("draft.moe_layout = 'auto' -> %s", reason)
-        facts = dict(num_experts=first.num_experts, hidden_size=ffn.hidden_size, top_k=first.top_k)
+        facts = dict(
+            num_experts=first.num_experts, hidden_size=ffn.hidden_size, top_k=first.top_k,
+            device_type=groups.device_type, cuda_graphs=d.cuda_graphs, chosen_by_auto=d.moe_layout == "auto",
+            reason=reason,
+        )  # fmt: skip
         if layout == "replicated":
-            return cls.local(
-                **facts, device_type=groups.device_type, chosen_by_auto=d.moe_layout == "auto", reason=reason
-            )
+            return cls._checked_graphs(cls.local(**facts))
         check_moe_split(pc, ffn)
         resolved = cls(
             layout=layout,
@@ -123,13 +129,28 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
             ep_size=groups.ep_size,
             tp_rank=groups.tp_rank,
             tp_size=groups.tp_size,
-            device_type=groups.device_type,
-            chosen_by_auto=d.moe_layout == "auto",
-            reason=reason,
             **facts,
         )
         check_runnable(resolved, groups.moe)
-        return resolved
+        return cls._checked_graphs(resolved)
+
+    @staticmethod
+    def _checked_graphs(layout: MoeLayout) -> MoeLayout:
+        if layout.cuda_graphs and layout.device_type != "cuda":
+            raise ConfigError("draft.cuda_graphs = true needs CUDA, and this rank's draft runs on the CPU")
+        if layout.cuda_graphs and not layout.capturable:
+            raise ConfigError(
+                f"draft.cuda_graphs = true: {layout.label} dispatch syncs with the host and cannot be captured; "
+                "use draft.a2a_backend = 'torch_fixed' (or moe_layout gather / replicated, deepep with low_latency)"
+            )
+        return layout
+
+    @property
+    def capturable(self) -> bool:
+        """Whether this layout's dispatch has shapes fixed by the plan and no host sync (CUDA-graph safe)."""
+        if self.layout != "alltoall":
+            return True
+        return self.backend == "torch_fixed" or (self.backend == "deepep" and self.low_latency)
 
     @property
     def group_size(self) -> int:

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epdraft.kernels.attention import block_attention, block_attention_reference
+
 
 class RMSNorm(nn.Module):
     """Qwen-style RMSNorm: normalize in fp32, scale in the input dtype (matches HF Qwen3RMSNorm)."""
@@ -106,4 +108,32 @@ class DFlashAttention(nn.Module):
         v = torch.cat([v_ctx_NgLD, v_blk], dim=2)
         mask = None if allowed_NQS is None else allowed_NQS.unsqueeze(1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(N, Q, self.num_heads * self.head_dim))
+
+    def forward_pooled(
+        self,
+        x_NQH: torch.Tensor,
+        positions_NQ: torch.Tensor,
+        pool_k_PgCD: torch.Tensor,
+        pool_v_PgCD: torch.Tensor,
+        slots_N: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward` over a KV pool: the block rows' K/V go to rows `positions` of each request's slot
+        (right after its context), then the queries attend to rows [0, position of the last block
+        row] of the slot, read in place (the Triton kernel on CUDA, the SDPA reference elsewhere).
+
+        x_NQH [N, Q, H] (input-normed), positions_NQ [N, Q] = context length + [0, Q), slots_N [N]
+        int64 on x's device. No host sync on CUDA.
+        """
+        N, Q, _ = x_NQH.shape
+        q = self.q_norm(self.q_proj(x_NQH).view(N, Q, self.num_heads, self.head_dim)).transpose(1, 2)
+        cos, sin = rope_cos_sin(positions_NQ, self.head_dim, self.rope_theta)
+        q = apply_rope(q, cos, sin)
+        k_blk, v_blk = self._kv(x_NQH, positions_NQ)
+        index = (slots_N.unsqueeze(1), slice(None), positions_NQ)
+        pool_k_PgCD[index] = k_blk.transpose(1, 2).to(pool_k_PgCD.dtype)
+        pool_v_PgCD[index] = v_blk.transpose(1, 2).to(pool_v_PgCD.dtype)
+        kv_lens_N = positions_NQ[:, -1] + 1
+        attend = block_attention if q.is_cuda else block_attention_reference
+        out = attend(q.to(pool_k_PgCD.dtype), pool_k_PgCD, pool_v_PgCD, slots_N, kv_lens_N).to(x_NQH.dtype)
         return self.o_proj(out.transpose(1, 2).reshape(N, Q, self.num_heads * self.head_dim))

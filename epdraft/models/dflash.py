@@ -21,6 +21,7 @@ from epdraft.layers.mlp import DraftMLP
 from epdraft.layers.moe import DraftMoE
 from epdraft.models.attention import DFlashAttention, RMSNorm
 from epdraft.models.cache import ContextScratch, DraftCache, context_mask, padded_context
+from epdraft.models.kv_pool import KVPool
 from epdraft.models.spec import DraftModelSpec
 
 
@@ -80,6 +81,25 @@ class DFlashLayer(nn.Module):
         if N:
             x_NQH = x_NQH + self.self_attn(
                 self.input_layernorm(x_NQH), positions_NQ, k_ctx_NgLD, v_ctx_NgLD, allowed_NQS
+            )
+        # The FFN runs even with no rows: a MoE layer's collectives must be entered by every rank.
+        y_TH = self.mlp(self.post_attention_layernorm(x_NQH).reshape(N * Q, H), plan)
+        return x_NQH + y_TH.view(N, Q, H)
+
+    def forward_pooled(
+        self,
+        x_NQH: torch.Tensor,
+        positions_NQ: torch.Tensor,
+        pool: KVPool,
+        layer_id: int,
+        slots_N: torch.Tensor,
+        plan: StepPlan | None,
+    ) -> torch.Tensor:
+        """`forward` with the context read in place from `pool` (see DFlashAttention.forward_pooled)."""
+        N, Q, H = x_NQH.shape
+        if N:
+            x_NQH = x_NQH + self.self_attn.forward_pooled(
+                self.input_layernorm(x_NQH), positions_NQ, pool.k[layer_id], pool.v[layer_id], slots_N
             )
         # The FFN runs even with no rows: a MoE layer's collectives must be entered by every rank.
         y_TH = self.mlp(self.post_attention_layernorm(x_NQH).reshape(N * Q, H), plan)
@@ -152,6 +172,59 @@ class DFlashDraft(nn.Module):
                     cache.append(i, k_gLD, v_gLD)
         for cache, n in zip(caches, lens):
             cache.length += n
+
+    def new_pool(self, *, max_requests: int, max_context: int) -> KVPool:
+        """A KV pool for this draft's context K/V, in its weights' dtype and device."""
+        attn = self.layers[0].self_attn
+        return KVPool(
+            self.spec.num_layers, attn.num_kv_heads, attn.head_dim, max_requests=max_requests,
+            max_context=max_context, block_size=self.block_size, dtype=self.fc.weight.dtype, device=self.device,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def extend_pool(self, pool: KVPool, request_ids: Sequence[int], features: Sequence[torch.Tensor]) -> None:
+        """`extend_contexts` into a KV pool: each request's new rows go to its slot, in place.
+
+        Raises RequestError naming draft.max_context (before writing anything) when a request's
+        rows do not fit.
+        """
+        lens = [f.shape[0] for f in features]
+        for rid, n in zip(request_ids, lens):
+            pool.check_room(rid, n)
+        if sum(lens) == 0:
+            return
+        device = features[0].device
+        starts = [pool.length(rid) for rid in request_ids]
+        target_hidden = self.fuse_features(torch.cat(list(features))).unsqueeze(0)
+        positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, lens)]).unsqueeze(0)
+        slots = [pool.slot(rid) for rid in request_ids]
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.context_kv(target_hidden, positions)
+            for slot, start, k_gLD, v_gLD in zip(slots, starts, k[0].split(lens, dim=1), v[0].split(lens, dim=1)):
+                if k_gLD.shape[1]:
+                    pool.write(i, slot, start, k_gLD, v_gLD)
+        for rid, n in zip(request_ids, lens):
+            pool.commit(rid, n)
+
+    @torch.no_grad()
+    def propose_pooled(
+        self, pool: KVPool, slots_N: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None
+    ) -> torch.Tensor:
+        """`propose` over a KV pool: slots_N [N] int64 (the requests' slots, or the pad slot),
+        anchors_N [N] int64, both on the draft's device. Returns drafts [N, B-1] int64 there.
+
+        No host sync on CUDA and shapes that depend on N only: a CUDA graph can hold it.
+        """
+        N, B = slots_N.shape[0], self.spec.block_size
+        device = self.device
+        ids_NB = torch.full((N, B), self.spec.mask_token_id, dtype=torch.long, device=device)
+        ids_NB[:, 0] = anchors_N
+        x = heads.embed(ids_NB).to(self.fc.weight.dtype)
+        positions_NB = pool.lengths[slots_N].long().unsqueeze(1) + torch.arange(B, device=device)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_pooled(x, positions_NB, pool, i, slots_N, plan)
+        hidden = self.norm(x)
+        return self.readout(hidden[:, 1:], anchors_N, heads)
 
     def forward(
         self,

@@ -11,6 +11,10 @@ every rank, every step, in the same order:
 `propose` does the step's one sync (row counts, step id, the caller's extras) and then runs every
 draft layer once over all of the rank's rows, handing the agreed plan to every MoE layer, so each
 MoE collective is entered exactly once per layer per step by every rank.
+
+Context K/V live in a KVPool sized once (`max_requests` x `max_context` rows), written in place by
+`add_request` / `commit`; with `cuda_graphs` the step is replayed from a CUDA graph per batch
+bucket (`epdraft.runtime.graphs`).
 """
 
 from __future__ import annotations
@@ -28,13 +32,13 @@ from epdraft.dispatch import MoeLayout, StepPlan, make_dispatcher
 from epdraft.errors import RequestError
 from epdraft.layers.moe import DraftMoE
 from epdraft.layers.routed_experts import reference_fallback_reason
-from epdraft.models.cache import DraftCache
 from epdraft.models.checkpoint import load_draft, read_draft_spec
 from epdraft.models.dflash import TargetHeads
 from epdraft.models.protocol import DraftModel
 from epdraft.models.spec import DraftModelSpec
 from epdraft.parallel.groups import Groups
 from epdraft.runtime.coordinator import StepCoordinator
+from epdraft.runtime.graphs import StepGraphs, default_buckets
 from epdraft.runtime.timing import PhaseTimers, TimedDispatcher, time_forward
 from epdraft.target.base import VerifyResult
 
@@ -58,7 +62,10 @@ class DraftRuntime:
         heads: the target's embedding and lm_head.
         coordinator: the per-step StepCoordinator over the draft's DP group.
         layout: the MoeLayout the draft was built with (what the run summary reports).
-        timers: phase timers (None: no timing, no extra device syncs).
+        max_requests / max_context: the KV pool's limits (requests at once, context rows each).
+        cuda_graphs: replay the step from CUDA graphs (CUDA only; `layout.capturable` must hold).
+        timers: phase timers (None: no timing, no extra device syncs). Under CUDA graphs only the
+            step as a whole is timed: a per-layer device sync cannot sit inside a graph.
     """
 
     def __init__(
@@ -68,6 +75,9 @@ class DraftRuntime:
         coordinator: StepCoordinator,
         layout: MoeLayout,
         *,
+        max_requests: int,
+        max_context: int,
+        cuda_graphs: bool = False,
         timers: PhaseTimers | None = None,
     ):
         self.draft = draft
@@ -75,9 +85,16 @@ class DraftRuntime:
         self.coordinator = coordinator
         self.layout = layout
         self.timers = timers
-        self._caches: dict[int, DraftCache] = {}
+        self.pool = draft.new_pool(max_requests=max_requests, max_context=max_context)
         self._dispatchers = {id(m.dispatcher): m.dispatcher for m in draft.modules() if isinstance(m, DraftMoE)}
-        if timers is not None:
+        self.graphs: StepGraphs | None = None
+        if cuda_graphs:
+            self.graphs = StepGraphs(
+                lambda slots, anchors, plan: draft.propose_pooled(self.pool, slots, anchors, heads, plan),
+                pad_slot=self.pool.pad_slot, buckets=default_buckets(max_requests), block_size=draft.block_size,
+                device=draft.device,
+            )  # fmt: skip
+        elif timers is not None:
             for m in draft.modules():
                 if isinstance(m, DraftMoE):
                     time_forward(m, timers, "moe_total")
@@ -90,6 +107,8 @@ class DraftRuntime:
         *,
         groups: Groups,
         layout: MoeLayout,
+        max_requests: int,
+        max_context: int,
         spec: DraftModelSpec | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
@@ -98,18 +117,23 @@ class DraftRuntime:
     ) -> DraftRuntime:
         """Load the draft at `draft_path` onto this rank as `layout` places it (the engine passes its groups).
 
-        `spec`: the draft's spec when already read (its config.json is then not read again).
+        max_requests / max_context size the KV pool (`draft.max_requests`, `draft.max_context`);
+        `layout.cuda_graphs` turns the captured step on. `spec`: the draft's spec when already
+        read (its config.json is then not read again).
         """
         spec = spec if spec is not None else read_draft_spec(draft_path)
         dispatcher = make_dispatcher(layout, groups.moe if layout.layout != "replicated" else None)
-        if timers is not None:
+        if timers is not None and not layout.cuda_graphs:
             dispatcher = TimedDispatcher(dispatcher, timers)
         if spec.ffn.moe_layers and (why := reference_fallback_reason(device, dtype)) is not None:
             log.warning("%s", why)
         draft = load_draft(draft_path, spec=spec, dtype=dtype, device=device, dispatcher=dispatcher)
         coordinator = StepCoordinator(groups.cpu, num_extras=num_extras)
         log.info("draft MoE layout: %s", layout.label)
-        return cls(draft, heads, coordinator, layout, timers=timers)
+        return cls(
+            draft, heads, coordinator, layout, max_requests=max_requests, max_context=max_context,
+            cuda_graphs=layout.cuda_graphs, timers=timers,
+        )  # fmt: skip
 
     @classmethod
     def from_config(
@@ -139,17 +163,22 @@ class DraftRuntime:
         return self.timers.phase(name) if self.timers is not None else contextlib.nullcontext()
 
     def add_request(self, request_id: int, prompt_features: torch.Tensor) -> None:
-        """Start a request's draft context from its prompt rows' target features [L, K*H]."""
-        if request_id in self._caches:
-            raise RequestError(f"request {request_id} is already active on this rank")
-        cache = self.draft.new_cache()
-        with self._phase("draft_context"):
-            self.draft.extend_contexts([cache], [prompt_features])
-        self._caches[request_id] = cache
+        """Start a request's draft context from its prompt rows' target features [L, K*H].
+
+        Raises RequestError naming draft.max_requests / draft.max_context when it does not fit;
+        the requests already admitted are untouched.
+        """
+        self.pool.admit(request_id)
+        try:
+            with self._phase("draft_context"):
+                self.draft.extend_pool(self.pool, [request_id], [prompt_features])
+        except RequestError:
+            self.pool.release(request_id)
+            raise
 
     def release(self, request_id: int) -> None:
-        """Forget a finished request's context."""
-        self._caches.pop(request_id, None)
+        """Forget a finished request's context and free its pool slot."""
+        self.pool.release(request_id)
 
     @torch.no_grad()
     def propose(self, step: int, anchors: Mapping[int, int], extras: tuple[int, ...] = ()) -> Proposal:
@@ -158,7 +187,7 @@ class DraftRuntime:
         Every rank must call this once per step, an idle rank with `anchors = {}`. Returns with
         empty drafts on every rank when the agreed plan says no rank has rows.
         """
-        missing = [r for r in anchors if r not in self._caches]
+        missing = [r for r in anchors if r not in self.pool]
         if missing:
             raise RequestError(f"propose: requests {missing} were never added on this rank")
         with self._phase("sync"):
@@ -166,17 +195,24 @@ class DraftRuntime:
         if plan.skip:
             return Proposal(plan, {})
         ids = list(anchors)
-        anchors_N = torch.tensor([anchors[r] for r in ids], dtype=torch.long, device=self.draft.device)
+        slots = [self.pool.slot(r) for r in ids]
         with self._phase("draft_propose"):
-            drafts_NB = self.draft.propose([self._caches[r] for r in ids], anchors_N, self.heads, plan)
+            if self.graphs is not None:
+                drafts_NB = self.graphs.run(slots, [anchors[r] for r in ids], plan)
+            else:
+                device = self.draft.device
+                slots_N = torch.tensor(slots, dtype=torch.long, device=device)
+                anchors_N = torch.tensor([anchors[r] for r in ids], dtype=torch.long, device=device)
+                drafts_NB = self.draft.propose_pooled(self.pool, slots_N, anchors_N, self.heads, plan)
         return Proposal(plan, {r: drafts_NB[i] for i, r in enumerate(ids)})
 
     @torch.no_grad()
     def commit(self, result: VerifyResult) -> None:
         """Append each verified request's committed rows (anchor + accepted drafts) to its context."""
         with self._phase("draft_context"):
-            self.draft.extend_contexts(
-                [self._caches[rid] for rid in result.request_ids],
+            self.draft.extend_pool(
+                self.pool,
+                list(result.request_ids),
                 [result.features[result.rows(i)] for i in range(len(result.request_ids))],
             )
 

@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 
 from epdraft.config.parallel import ParallelConfig
-from epdraft.models.spec import DraftModelSpec, check_against_target
+from epdraft.models.spec import check_against_target
 from epdraft.parallel.address import is_loopback
 from epdraft.parallel.groups import Groups, resolve_backend
 from epdraft.runtime import DraftRuntime, PhaseTimers
 from epdraft.target.heads import HFHeads
 from epdraft.target.hf import HFTarget
 from epdraft.worker.disagg import RemoteDrafter, serve_draft_rank
-from epdraft.worker.job import RankSetup, RunJob
+from epdraft.worker.job import RankSetup, RunJob, pool_limits
 from epdraft.worker.pairing import PeerLink, paired_draft_rank, paired_target_ranks
 from epdraft.worker.serve import assign_prompts, serve_requests
 from epdraft.worker.summary import RankReport
@@ -68,7 +68,7 @@ def run_disaggregated(
             check_against_target(
                 spec, hidden_size=heads.hidden_size, num_layers=heads.num_layers, vocab_size=heads.vocab_size
             )
-            report = _serve_draft(pc, job, groups, heads, link, timers, rank, spec)
+            report = _serve_draft(pc, job, groups, heads, link, timers, rank, setup)
         else:
             target = HFTarget.from_pretrained(job.target, spec.target_layer_ids, dtype=setup.dtype, device=setup.device)
             check_against_target(
@@ -108,13 +108,17 @@ def _serve_draft(
     link: PeerLink,
     timers: PhaseTimers,
     rank: int,
-    spec: DraftModelSpec,
+    setup: RankSetup,
 ) -> RankReport:
     targets = paired_target_ranks(pc, rank)
     log.info("draft DP rank %d serves target ranks %s", groups.dp_rank, list(targets))
+    prompts = setup.prompts
+    per_target = assign_prompts([len(p) for p in prompts], job.max_new_tokens, pc.target_world_size)
+    mine = [i for t in targets for i in per_target[pc.target_ranks.index(t)]]
     runtime = DraftRuntime.from_config(
-        pc, job.draft, heads, groups=groups, spec=spec, dtype=heads.dtype, device=heads.device, timers=timers
-    )
+        pc, job.draft, heads, groups=groups, spec=setup.spec, dtype=heads.dtype, device=heads.device, timers=timers,
+        **pool_limits(pc, job, prompts, mine, setup.spec.block_size),
+    )  # fmt: skip
     try:
         link.register_as_draft(targets)
         steps = serve_draft_rank(runtime, link, targets, rank=rank)

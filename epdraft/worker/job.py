@@ -70,6 +70,16 @@ def rank_setup(pc: ParallelConfig, job: RunJob) -> RankSetup:
     )
 
 
+def pool_limits(pc: ParallelConfig, job: RunJob, prompts: list[list[int]], mine: list[int], block_size: int) -> dict:
+    """The KV pool a rank serving prompts `mine` needs: the config's limits, or what the run needs
+    (every prompt of the rank at once, each to its prompt + max_new_tokens + one block of rows)."""
+    longest = max((len(prompts[i]) for i in mine), default=0)
+    return {
+        "max_requests": pc.draft.max_requests or max(1, len(mine)),
+        "max_context": pc.draft.max_context or longest + job.max_new_tokens + block_size,
+    }
+
+
 def run_job(pc: ParallelConfig, config_path: str, groups: Groups | None, job: RunJob) -> bool:
     """Serve the job's prompts; rank 0 prints (and writes) the summary.
 
@@ -89,13 +99,13 @@ def run_job(pc: ParallelConfig, config_path: str, groups: Groups | None, job: Ru
         spec, hidden_size=target.hidden_size, num_layers=target.num_layers, vocab_size=target.vocab_size
     )
     timers = PhaseTimers(setup.device)
+    prompts = setup.prompts
+    mine = assign_prompts([len(p) for p in prompts], job.max_new_tokens, groups.dp_size)[groups.dp_rank]
     runtime = DraftRuntime.from_config(
         pc, job.draft, target, groups=groups, spec=spec, dtype=setup.dtype, device=setup.device, num_extras=2,
-        timers=timers,
+        timers=timers, **pool_limits(pc, job, prompts, mine, spec.block_size),
     )  # fmt: skip
     try:
-        prompts = setup.prompts
-        mine = assign_prompts([len(p) for p in prompts], job.max_new_tokens, groups.dp_size)[groups.dp_rank]
         log.info("%d of %d prompts on this rank", len(mine), len(prompts))
         report = serve_requests(
             target,

@@ -49,8 +49,9 @@ def _host_engine(rank: int, world: int, layout: str, ep: int, prompts_of_rank: l
         "target": {"dp": world},
     })  # fmt: skip
     runtime = DraftRuntime.build(
-        draft_dir, target, groups=groups, layout=MoeLayout.resolve(pc, spec.ffn, groups), spec=spec
-    )
+        draft_dir, target, groups=groups, layout=MoeLayout.resolve(pc, spec.ffn, groups), spec=spec,
+        max_requests=len(prompts_of_rank[rank]), max_context=max(map(len, PROMPTS)) + NEW_TOKENS + spec.block_size,
+    )  # fmt: skip
     assert runtime.layout.layout == layout and runtime.layout.ep_size == ep
 
     mine = {rank * 100 + i: p for i, p in enumerate(prompts_of_rank[rank])}

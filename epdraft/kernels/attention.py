@@ -1,0 +1,114 @@
+"""Block attention of a draft step: each request's B block rows attend, non-causally, to the first
+`kv_lens[n]` keys of its KV pool slot `slots[n]` (its context, then the block itself), in place.
+
+`block_attention` is the Triton kernel (CUDA; split-K over keys with an fp32 merge, no host
+sync, a grid that depends on shapes only, so a CUDA graph can hold it); `block_attention_reference`
+is the same contract through torch's SDPA with a length mask (any device, the tests' oracle).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from epdraft.errors import ConfigError
+
+_BLOCK_S = 64
+_TARGET_PROGRAMS = 264  # two per H200 SM: enough splits that a small batch still fills the GPU
+
+
+def _check(q_NhBD, k_PgSD, v_PgSD, slots_N, kv_lens_N) -> None:
+    if q_NhBD.dim() != 4 or k_PgSD.dim() != 4 or v_PgSD.shape != k_PgSD.shape:
+        raise ConfigError(
+            f"block_attention: q {tuple(q_NhBD.shape)}, k {tuple(k_PgSD.shape)}, v {tuple(v_PgSD.shape)}: "
+            "expected q [N, h, B, D] and k, v [P, g, S, D]"
+        )
+    N, h, _, D = q_NhBD.shape
+    if k_PgSD.shape[3] != D or h % k_PgSD.shape[1]:
+        raise ConfigError(
+            f"block_attention: q {tuple(q_NhBD.shape)} and k {tuple(k_PgSD.shape)} disagree on D, "
+            "or the query heads are not a multiple of the KV heads"
+        )
+    for name, t in (("slots", slots_N), ("kv_lens", kv_lens_N)):
+        if tuple(t.shape) != (N,) or t.dtype.is_floating_point:
+            raise ConfigError(f"block_attention: {name} has shape {tuple(t.shape)} {t.dtype}, expected [{N}] ints")
+
+
+def block_attention_reference(
+    q_NhBD: torch.Tensor, k_PgSD: torch.Tensor, v_PgSD: torch.Tensor, slots_N: torch.Tensor, kv_lens_N: torch.Tensor
+) -> torch.Tensor:
+    """[N, h, B, D] in q's dtype: softmax(q k^T / sqrt(D)) v over keys [0, kv_lens[n]) of slot slots[n].
+
+    Gathers the N slots' first max(kv_lens) rows (a copy; the kernel reads them in place).
+    """
+    _check(q_NhBD, k_PgSD, v_PgSD, slots_N, kv_lens_N)
+    N, h, B, _ = q_NhBD.shape
+    S = int(kv_lens_N.max()) if N else 0
+    k_NgSD, v_NgSD = k_PgSD[slots_N, :, :S], v_PgSD[slots_N, :, :S]
+    allowed_NS = torch.arange(S, device=q_NhBD.device).unsqueeze(0) < kv_lens_N.to(q_NhBD.device).unsqueeze(1)
+    mask = allowed_NS.view(N, 1, 1, S).expand(N, 1, B, S)
+    return F.scaled_dot_product_attention(
+        q_NhBD, k_NgSD, v_NgSD, attn_mask=mask, enable_gqa=k_NgSD.shape[1] != h
+    )
+
+
+def num_splits_for(num_requests: int, num_kv_heads: int, capacity: int) -> int:
+    """Key splits per (request, KV head): enough programs to fill the GPU, none shorter than a tile."""
+    wanted = math.ceil(_TARGET_PROGRAMS / max(1, num_requests * num_kv_heads))
+    return max(1, min(wanted, math.ceil(capacity / _BLOCK_S)))
+
+
+def block_attention(
+    q_NhBD: torch.Tensor, k_PgSD: torch.Tensor, v_PgSD: torch.Tensor, slots_N: torch.Tensor, kv_lens_N: torch.Tensor
+) -> torch.Tensor:
+    """The Triton kernel of `block_attention_reference` (same contract; CUDA, bf16/fp16 or fp32).
+
+    q_NhBD: [N, h, B, D] block queries (normed, rotated); k_PgSD / v_PgSD: [P, g, S, D] pool
+    tensors with the last dim contiguous; slots_N, kv_lens_N: [N] ints on q's device, each length
+    in [1, S]. Reads no key past a request's length; no host sync. Returns [N, h, B, D] in q's dtype.
+    """
+    _check(q_NhBD, k_PgSD, v_PgSD, slots_N, kv_lens_N)
+    if not q_NhBD.is_cuda:
+        raise ConfigError(f"block_attention: q is on {q_NhBD.device}; the Triton kernel needs CUDA (use the reference)")
+    return _launch(q_NhBD, k_PgSD, v_PgSD, slots_N, kv_lens_N)
+
+
+def _launch(q_NhBD, k_NgSD, v_NgSD, slots_N, kv_lens_N) -> torch.Tensor:
+    """The kernel launch and the split merge (also what Triton's CPU interpreter runs in development)."""
+    from epdraft.kernels._attention_triton import block_attention_split_kernel
+
+    for name, t in (("q", q_NhBD), ("k", k_NgSD), ("v", v_NgSD)):
+        if t.stride(-1) != 1:
+            raise ConfigError(f"block_attention: {name}'s last dim must be contiguous, strides {t.stride()}")
+    N, h, B, D = q_NhBD.shape
+    g, S = k_NgSD.shape[1], k_NgSD.shape[2]
+    G = h // g
+    rows = max(16, triton_next_pow2(G * B))
+    splits = num_splits_for(N, g, S)
+    chunk = math.ceil(math.ceil(S / splits) / _BLOCK_S) * _BLOCK_S
+    acc = q_NhBD.new_empty(N, g, splits, rows, D, dtype=torch.float32)
+    stat = q_NhBD.new_empty(N, g, splits, rows, 2, dtype=torch.float32)
+    if N:
+        block_attention_split_kernel[(N, g, splits)](
+            q_NhBD, k_NgSD, v_NgSD, slots_N, kv_lens_N, acc, stat,
+            q_NhBD.stride(0), q_NhBD.stride(1), q_NhBD.stride(2),
+            k_NgSD.stride(0), k_NgSD.stride(1), k_NgSD.stride(2),
+            v_NgSD.stride(0), v_NgSD.stride(1), v_NgSD.stride(2),
+            acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3),
+            stat.stride(0), stat.stride(1), stat.stride(2),
+            D**-0.5 * math.log2(math.e),
+            chunk,
+            G=G, B=B, D=D, ROWS=rows, BLOCK_S=_BLOCK_S, BLOCK_D=max(16, triton_next_pow2(D)),
+        )  # fmt: skip
+    # Merge the splits: weights 2^(m_s - M) rescale each split's sums to the common max M.
+    m, l = stat[..., 0], stat[..., 1]
+    w = torch.exp2(m - m.amax(dim=2, keepdim=True))
+    out = (acc * w.unsqueeze(-1)).sum(dim=2) / (l * w).sum(dim=2).clamp_min(1e-30).unsqueeze(-1)
+    return out[:, :, : G * B].view(N, g, G, B, D).reshape(N, h, B, D).to(q_NhBD.dtype)
+
+
+def triton_next_pow2(n: int) -> int:
+    """The smallest power of two >= n (Triton's tile sizes), without importing Triton."""
+    return 1 << max(0, (n - 1).bit_length())

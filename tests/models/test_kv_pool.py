@@ -1,0 +1,70 @@
+"""KVPool: admission, refusal when full (naming the key), release and reuse; and the pooled draft
+step equals the cache-based one (the eager reference) on the tiny trained draft."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from epdraft.errors import RequestError
+from epdraft.models import load_draft, read_draft_spec
+from epdraft.models.kv_pool import KVPool
+
+ASSETS = Path(__file__).resolve().parents[2] / "epdraft" / "assets"
+
+
+def _pool(max_requests=2, max_context=10) -> KVPool:
+    return KVPool(2, 1, 4, max_requests=max_requests, max_context=max_context, block_size=3, dtype=torch.float32, device="cpu")
+
+
+def test_admission_refusal_release_and_reuse():
+    pool = _pool()
+    assert pool.k[0].shape == (3, 1, 13, 4)  # max_requests + the pad slot, max_context + B rows
+    a, b = pool.admit(7), pool.admit(8)
+    assert {a, b} == {0, 1} and pool.pad_slot == 2 and len(pool) == 2
+    with pytest.raises(RequestError, match=r"request 9: the KV pool is full, 2 requests active \(draft.max_requests = 2\)"):
+        pool.admit(9)
+    with pytest.raises(RequestError, match="request 7 is already active"):
+        pool.admit(7)
+    rows = torch.arange(2 * 4, dtype=torch.float32).view(1, 2, 4)
+    pool.write(0, b, 0, rows, -rows)
+    pool.commit(8, 2)
+    with pytest.raises(RequestError, match=r"request 8: 2 \+ 9 context rows exceed draft.max_context = 10"):
+        pool.check_room(8, 9)
+    pool.release(7)
+    assert 7 not in pool and pool.lengths[a] == 0
+    assert pool.admit(9) == a  # the freed slot is reused ...
+    assert torch.equal(pool.k[0][b, :, :2], rows) and pool.length(8) == 2  # ... and 8's rows are untouched
+    assert pool.lengths.tolist() == ([0, 2, 0] if b == 1 else [2, 0, 0])
+    with pytest.raises(RequestError, match="request 5 has no KV pool slot"):
+        pool.slot(5)
+
+
+def test_pooled_step_equals_the_cache_reference():
+    spec = read_draft_spec(ASSETS / "tiny-draft")
+    from epdraft.target.hf import HFTarget
+
+    target = HFTarget.from_pretrained(ASSETS / "tiny-target", spec.target_layer_ids)
+    draft = load_draft(ASSETS / "tiny-draft", spec=spec)
+    gen = torch.Generator().manual_seed(0)
+    width = spec.num_target_features * spec.hidden_size
+    features = [torch.randn(n, width, generator=gen) for n in (5, 17, 1)]
+    more = [torch.randn(n, width, generator=gen) for n in (3, 1, 6)]
+    caches = [draft.new_cache() for _ in features]
+    pool = draft.new_pool(max_requests=5, max_context=40)
+    rids = [30, 10, 20]
+    for rid in rids:
+        pool.admit(rid)
+    for batch in (features, more):  # two extensions: the second appends after the first's rows
+        draft.extend_contexts(caches, batch)
+        draft.extend_pool(pool, rids, batch)
+    anchors = torch.tensor([3, 7, 11])
+    slots = torch.tensor([pool.slot(r) for r in rids])
+    assert torch.equal(draft.propose_pooled(pool, slots, anchors, target, None), draft.propose(caches, anchors, target))
+    # The slot order does not matter, and a request alone sees only its own context.
+    order = [2, 0, 1]
+    alone = draft.propose_pooled(pool, slots[order], anchors[order], target, None)
+    assert torch.equal(alone, draft.propose([caches[i] for i in order], anchors[order], target))
+    assert pool.length(10) == 18 and pool.length(20) == 7
