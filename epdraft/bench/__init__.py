@@ -1,6 +1,6 @@
-"""`epdraft bench dispatch | kernel | transfer`: benchmarks as commands (JSON lines + a table).
+"""`epdraft bench dispatch | kernel | step | transfer`: benchmarks as commands (JSON lines + a table).
 
-Each sub-command lives in its own module (`epdraft.bench.dispatch`, `.kernel`, `.transfer`)
+Each sub-command lives in its own module (`epdraft.bench.dispatch`, `.kernel`, `.step`, `.transfer`)
 exposing `add_arguments(parser)` and `main(args) -> int`; it is imported only when chosen, so one
 benchmark's heavy or missing dependencies (Triton, Mooncake) never break the others.
 """
@@ -13,6 +13,7 @@ import importlib
 SUBCOMMANDS = {
     "dispatch": "MoE dispatch layouts on local CPU ranks: per-phase median step time",
     "kernel": "fused-experts kernels against the reference and the memory roofline",
+    "step": "the whole draft step on one GPU (cache, pooled eager, CUDA graph) against its floor",
     "transfer": "target-feature transfer between ranks (torch p2p, Mooncake)",
 }
 

@@ -1,0 +1,240 @@
+"""`epdraft bench step [--preset P | --draft DIR]`: the whole draft step on one GPU against its floor.
+
+For each batch N (`--requests`) and context length (`--context`), with random weights and a
+random context already in the KV pool, it times (CUDA events, median of `--steps` after
+`--warmup`, replicated layout, one rank) the draft step three ways: `cache`, the cache-based
+eager step (what `DraftRuntime` ran before the KV pool); `eager`, the pooled step; `graph`, the
+pooled step replayed from a CUDA graph. The floor is max(bytes / 4.3 TB/s, FLOPs / 700 TFLOP/s)
+counted from the shapes: the draft's non-expert weights, the experts the step's pairs touch
+(expected count), the lm_head, and the context K/V read. `kernels` is the eager pooled step's
+CUDA kernel count (torch profiler). Prints a table and one JSON line per point (`--json FILE`
+appends them); `--plot FILE.png` draws step time against N (needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from epdraft.dispatch import StepPlan
+from epdraft.errors import ConfigError
+
+HBM_BYTES_PER_S = 4.3e12  # H200 HBM3e, as reachable by a streaming kernel (device/H200.md)
+TENSOR_FLOPS = 700e12  # bf16 dense, sustained
+
+PRESETS: dict[str, dict] = {
+    "issue13": dict(hidden=4096, heads=32, kv_heads=8, layers=5, experts=8, moe_intermediate=1536, top_k=2,
+                    vocab=32000, block_size=16),
+    "v4like": dict(hidden=5120, heads=40, kv_heads=8, layers=5, experts=128, moe_intermediate=2304, top_k=3,
+                   vocab=129280, block_size=16),
+}  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="issue13", help="draft shape (default issue13)")
+    parser.add_argument("--draft", type=Path, help="a draft export directory instead of a preset (its config only)")
+    parser.add_argument("--requests", default="1,8,32,64,128", help="batch sizes N, comma list")
+    parser.add_argument("--context", default="1024,8192", help="context rows per request, comma list")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-cache-path", action="store_true", help="skip the cache-based eager step (slow at large N)")
+    parser.add_argument("--json", type=Path, help="append the JSON lines to this file")
+    parser.add_argument("--plot", type=Path, help="write step time vs N against the floor to this PNG")
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected a comma list of integers") from None
+    if not values or min(values) < 1:
+        raise ConfigError(f"{flag} {text!r}: expected integers >= 1")
+    return values
+
+
+def preset_config(p: dict) -> dict:
+    """A SpecForge DFlash MoE config.json (qwen3_5_moe preset, gated shared expert) of preset `p`."""
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": p["hidden"],
+        "num_attention_heads": p["heads"], "num_key_value_heads": p["kv_heads"], "head_dim": 128,
+        "num_hidden_layers": p["layers"], "intermediate_size": 4 * p["hidden"], "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "vocab_size": p["vocab"], "num_target_layers": 8,
+        "block_size": p["block_size"], "moe_preset": "qwen3_5_moe", "n_routed_experts": p["experts"],
+        "num_experts_per_tok": p["top_k"], "moe_intermediate_size": p["moe_intermediate"],
+        "shared_expert_intermediate_size": p["moe_intermediate"], "n_shared_experts": 1,
+        "dflash_config": {"block_size": p["block_size"], "mask_token_id": p["vocab"] - 1, "target_layer_ids": [1, 4, 6]},
+    }  # fmt: skip
+
+
+class RandomHeads(torch.nn.Module):
+    """A target's embedding and lm_head with random weights (what the draft reads through)."""
+
+    def __init__(self, vocab: int, hidden: int, *, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(vocab, hidden, dtype=dtype, device=device)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False, dtype=dtype, device=device)
+        torch.nn.init.normal_(self.embedding.weight, std=0.02)
+        torch.nn.init.normal_(self.head.weight, std=hidden**-0.5)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
+
+
+def floor_seconds(draft, heads: RandomHeads, n: int, context: int) -> tuple[float, int, float]:
+    """(floor s, bytes, FLOPs) of one step over n requests of `context` rows, from the shapes."""
+    from epdraft.layers.moe import DraftMoE
+
+    spec, B = draft.spec, draft.block_size
+    rows = n * B
+    expert_bytes, other_bytes, flops = 0.0, 0, 0.0
+    for name, p in draft.named_parameters():
+        if ".experts." not in name:
+            other_bytes += p.numel() * p.element_size()
+            if p.dim() == 2 and "fc." not in name:
+                flops += 2 * rows * p.numel()
+    for m in draft.modules():
+        if isinstance(m, DraftMoE):
+            E, K = m.spec.num_experts, m.spec.top_k
+            touched = E * (1 - (1 - 1 / E) ** (rows * K))
+            per_expert = sum(p[0].numel() * p.element_size() for p in (m.experts.w13, m.experts.w2))
+            expert_bytes += touched * per_expert
+            flops += 2 * rows * K * per_expert / m.experts.w13.element_size()
+    attn = draft.layers[0].self_attn
+    kv_bytes = spec.num_layers * n * (context + B) * attn.num_kv_heads * attn.head_dim * 2 * draft.fc.weight.element_size()
+    flops += spec.num_layers * 4 * n * B * (context + B) * attn.num_heads * attn.head_dim
+    head_bytes = heads.head.weight.numel() * heads.head.weight.element_size()
+    flops += 2 * rows * heads.head.weight.numel()
+    total = other_bytes - draft.fc.weight.numel() * draft.fc.weight.element_size() + expert_bytes + kv_bytes + head_bytes
+    return max(total / HBM_BYTES_PER_S, flops / TENSOR_FLOPS), int(total), flops
+
+
+def _time_ms(fn, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _kernels(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def main(args: argparse.Namespace) -> int:
+    from epdraft.config.hf import read_config_json
+    from epdraft.models.protocol import DRAFT_FAMILIES
+    from epdraft.models.spec import DraftModelSpec
+    from epdraft.runtime.graphs import StepGraphs
+
+    requests, contexts = _ints(args.requests, "--requests"), _ints(args.context, "--context")
+    if not torch.cuda.is_available():
+        raise ConfigError("epdraft bench step times the GPU step: it needs CUDA")
+    config = read_config_json(args.draft) if args.draft else preset_config(PRESETS[args.preset])
+    spec = DraftModelSpec.from_config(config)
+    device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+    torch.manual_seed(0)
+    draft = DRAFT_FAMILIES[spec.kind](spec, dtype=dtype, device=device, dispatcher=None).eval()
+    with torch.no_grad():
+        for name, t in draft.named_parameters():
+            t.fill_(1.0) if name.endswith("norm.weight") else t.normal_(0.0, t.shape[-1] ** -0.5)
+    heads = RandomHeads(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+    B, results = spec.block_size, []
+    label = str(args.draft) if args.draft else args.preset
+    print(f"draft {label}: H {spec.hidden_size}, {spec.num_layers} layers, block {B}, bf16, {torch.cuda.get_device_name()}")
+    print(f"{'N':>5}{'context':>9}{'cache ms':>10}{'eager ms':>10}{'graph ms':>10}{'floor ms':>10}"
+          f"{'graph/floor':>12}{'cache/graph':>12}{'kernels':>9}")  # fmt: skip
+    for context in contexts:
+        pool = draft.new_pool(max_requests=max(requests), max_context=context)
+        for layer in range(spec.num_layers):  # a random context in every slot, as if extended
+            pool.k[layer].normal_()
+            pool.v[layer].normal_()
+        pool.lengths.fill_(context)
+        graphs = StepGraphs(
+            lambda s, a, plan: draft.propose_pooled(pool, s, a, heads, plan), pad_slot=pool.pad_slot,
+            buckets=tuple(sorted(set(requests))), block_size=B, device=device,
+        )  # fmt: skip
+        for n in requests:
+            slots = torch.arange(n, device=device)
+            anchors = torch.randint(0, spec.vocab_size - 1, (n,), device=device)
+            plan = StepPlan(step=0, ranks=(0,), counts=(n * B,))
+            with torch.no_grad():
+                eager = _time_ms(lambda: draft.propose_pooled(pool, slots, anchors, heads, plan), args.steps, args.warmup)
+                kernels = _kernels(lambda: draft.propose_pooled(pool, slots, anchors, heads, plan))
+                slot_list, anchor_list = slots.tolist(), anchors.tolist()
+                graph = _time_ms(lambda: graphs.run(slot_list, anchor_list, plan), args.steps, args.warmup)
+                same = torch.equal(graphs.run(slot_list, anchor_list, plan), draft.propose_pooled(pool, slots, anchors, heads, plan))
+                cache = None
+                if not args.no_cache_path:
+                    caches = _caches_from_pool(draft, pool, n, context)
+                    cache = _time_ms(lambda: draft.propose(caches, anchors, heads, plan), args.steps, args.warmup)
+                    del caches
+            floor_s, nbytes, flops = floor_seconds(draft, heads, n, context)
+            floor = floor_s * 1e3
+            row = dict(preset=label, requests=n, context=context, cache_ms=cache, eager_ms=eager, graph_ms=graph,
+                       floor_ms=floor, bytes=nbytes, flops=flops, kernels=kernels, graph_equals_eager=same,
+                       device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
+            results.append(row)
+            cache_text = f"{cache:>10.3f}" if cache is not None else f"{'-':>10}"
+            ratio = f"{cache / graph:>12.1f}" if cache is not None else f"{'-':>12}"
+            print(f"{n:>5}{context:>9}{cache_text}{eager:>10.3f}{graph:>10.3f}{floor:>10.3f}{graph / floor:>12.2f}"
+                  f"{ratio}{kernels:>9}{'' if same else '  graph != eager'}")  # fmt: skip
+        del graphs, pool
+        torch.cuda.empty_cache()
+    for row in results:
+        print(json.dumps(row))
+    if args.json:
+        with open(args.json, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in results)
+    if args.plot:
+        _plot(results, args.plot)
+    return 0
+
+
+def _caches_from_pool(draft, pool, n: int, context: int):
+    """DraftCaches holding the same context as pool slots [0, n) (for the cache-based step)."""
+    caches = [draft.new_cache() for _ in range(n)]
+    for i, cache in enumerate(caches):
+        for layer in range(draft.spec.num_layers):
+            cache.append(layer, pool.k[layer][i, :, :context], pool.v[layer][i, :, :context])
+        cache.length = context
+    return caches
+
+
+def _plot(results: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ConfigError("--plot needs matplotlib: pip install 'epdraft[plot]'") from e
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for context in sorted({r["context"] for r in results}):
+        rows = [r for r in results if r["context"] == context]
+        n = [r["requests"] for r in rows]
+        ax.plot(n, [r["graph_ms"] for r in rows], "o-", label=f"graph, ctx {context}")
+        ax.plot(n, [r["floor_ms"] for r in rows], "--", label=f"floor, ctx {context}")
+    ax.set_xlabel("requests N")
+    ax.set_ylabel("ms per draft step")
+    ax.set_xscale("log", base=2)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
