@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One GPU check of the draft step (issue 13): its GPU tests, `epdraft bench step`, and `epdraft run`
+# (tiny pair, one rank, bf16) eager and with CUDA graphs. Logs go to ${OUT:-./gpu-step}.
+# On a machine without internet, put msgspec's wheel in .whl/ first (../shared/tools/device-wheels.sh).
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-./gpu-step}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+LOG=$OUT/gpu-step.log
+date -u +%FT%TZ | tee "$LOG"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
+ONE="--set cluster.nproc_per_node=1 --set draft.attn_dp=1 --set target.dp=1 --set target.tp=1 --set draft.moe_ep=1"
+for part in ${@:-tests bench run}; do
+  echo "=== $part $(date -u +%FT%TZ)" | tee -a "$LOG"
+  case $part in
+    tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfs ${TESTS:-tests/gpu} 2>&1 | tail -25 | tee -a "$LOG" ;;
+    bench) timeout 300 python3 -m epdraft.cli bench step --requests ${REQUESTS:-1,8,32,64} --context ${CONTEXT:-1024,8192} \
+             --steps 10 --warmup 3 --json "$OUT/bench-step.jsonl" 2>&1 | grep -v '^{' | tee -a "$LOG" ;;
+    run)
+      for graphs in false true; do
+        # shellcheck disable=SC2086
+        timeout 150 python3 -m epdraft.cli run configs/h200x8-dp8-ep8.toml $ONE --set draft.moe_layout=replicated \
+          --set draft.cuda_graphs=$graphs --json "$OUT/run-tiny-graphs-$graphs.json" 2>&1 | grep -v "^\[rank" | tail -14 | tee -a "$LOG"
+      done ;;
+    *) echo "unknown part $part (tests, bench, run)" | tee -a "$LOG"; exit 2 ;;
+  esac
+done
