@@ -43,8 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-lossless-check", action="store_true", help="skip the target-only reference decode")
     parser.add_argument("--json", help="also write the summary as JSON to this path")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                        help="target and draft weights' dtype (default: bfloat16 on CUDA, where the fused expert "
-                             "kernels run, float32 on CPU)")
+                        help="the draft's weights (default: bfloat16 on CUDA, where the fused expert kernels run, "
+                             "float32 on CPU)")
+    parser.add_argument("--target-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the target's weights (default float32: a bf16 target's batched verify is not bit-equal "
+                             "to its own greedy decode, so the lossless check would not hold exactly)")
     parser.add_argument(
         "--check-weights", action=argparse.BooleanOptionalAction, default=None,
         help=f"read the draft's weights once before starting and refuse NaN/inf (default: when the draft is "
@@ -70,6 +73,7 @@ def main(args: argparse.Namespace) -> int:
         "--max-prompts", str(args.max_prompts),
         "--log-level", args.log_level,
     ]  # fmt: skip
+    worker_args += ["--target-dtype", args.target_dtype]
     if args.dtype:
         worker_args += ["--dtype", args.dtype]
     if args.no_lossless_check:

@@ -25,7 +25,7 @@ def block_attention_split_kernel(
     scale_log2,
     chunk,
     G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0)
     j = tl.program_id(1)
@@ -55,14 +55,14 @@ def block_attention_split_kernel(
         s = start + t * BLOCK_S + tl.arange(0, BLOCK_S)
         s_ok = s < stop
         k = tl.load(k_base + s[:, None] * stride_ks + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale_log2
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         scores = tl.where(s_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + s[:, None] * stride_vs + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     a_ptrs = acc_ptr + n * stride_an + j * stride_ah + split * stride_as + rows[:, None] * stride_ar + d[None, :]

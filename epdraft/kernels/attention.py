@@ -101,6 +101,7 @@ def _launch(q_NhBD, k_NgSD, v_NgSD, slots_N, kv_lens_N) -> torch.Tensor:
             D**-0.5 * math.log2(math.e),
             chunk,
             G=G, B=B, D=D, ROWS=rows, BLOCK_S=_BLOCK_S, BLOCK_D=max(16, triton_next_pow2(D)),
+            PRECISION="ieee" if q_NhBD.dtype == torch.float32 else "tf32",  # fp32 means fp32, not TF32
         )  # fmt: skip
     # Merge the splits: weights 2^(m_s - M) rescale each split's sums to the common max M.
     m, l = stat[..., 0], stat[..., 1]

@@ -96,11 +96,12 @@ class StepGraphs:
 
     def _capture(self, b: int, plan: StepPlan, slots: list[int], anchors: list[int]) -> _Captured:
         bucket_plan = StepPlan(step=plan.step, ranks=plan.ranks, counts=(b * self.block_size,) * len(plan.ranks))
-        pinned = dict(dtype=torch.long, pin_memory=True)
-        slots_d = torch.full((b,), self.pad_slot, dtype=torch.long, device=self.device)
-        anchors_d = torch.zeros(b, dtype=torch.long, device=self.device)
-        slots_d[: len(slots)] = torch.tensor(slots, dtype=torch.long, device=self.device)
-        anchors_d[: len(anchors)] = torch.tensor(anchors, dtype=torch.long, device=self.device)
+        slots_host = torch.full((b,), self.pad_slot, dtype=torch.long, pin_memory=True)
+        anchors_host = torch.zeros(b, dtype=torch.long, pin_memory=True)
+        slots_host[: len(slots)] = torch.tensor(slots, dtype=torch.long)
+        anchors_host[: len(anchors)] = torch.tensor(anchors, dtype=torch.long)
+        slots_d = slots_host.to(self.device, non_blocking=True)
+        anchors_d = anchors_host.to(self.device, non_blocking=True)
         # Warm up on a side stream (lazy inits, Triton autotuning, allocator) before capturing.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -111,8 +112,7 @@ class StepGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             drafts = self.step(slots_d, anchors_d, bucket_plan)
         log.info("captured the draft step for %d requests (bucket %d)", len(slots), b)
-        captured = _Captured(
-            graph, torch.empty(b, **pinned), torch.empty(b, **pinned), slots_d, anchors_d, drafts
-        )
+        captured = _Captured(graph, slots_host, anchors_host, slots_d, anchors_d, drafts)
+        captured.copied.record()  # the copies above read the pinned buffers that `run` refills next
         self._captured[b] = captured
         return captured

@@ -49,7 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     job.add_argument("--no-lossless-check", action="store_true", help="skip the target-only greedy reference decode")
     job.add_argument("--json", dest="json_out", help="rank 0 writes the summary here as JSON")
     job.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                     help="target and draft weights' dtype (default: bfloat16 on CUDA, float32 on CPU)")
+                     help="the draft's weights (default: bfloat16 on CUDA, float32 on CPU)")
+    job.add_argument("--target-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                     help="the target's weights (default float32)")
     args = parser.parse_args(argv)
     if args.draft and not (args.target and args.prompts):
         parser.error("--draft needs --target and --prompts")
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 check_lossless=not args.no_lossless_check,
                 json_out=args.json_out,
                 dtype=args.dtype,
+                target_dtype=args.target_dtype,
             )
         try:
             ok = run(pc, args.config, job)

@@ -64,13 +64,15 @@ def run_disaggregated(
     target: HFTarget | None = None
     try:
         if groups is not None:
-            heads = HFHeads.from_pretrained(job.target, dtype=setup.dtype, device=setup.device)
+            heads = HFHeads.from_pretrained(job.target, dtype=setup.target_dtype, device=setup.device)
             check_against_target(
                 spec, hidden_size=heads.hidden_size, num_layers=heads.num_layers, vocab_size=heads.vocab_size
             )
             report = _serve_draft(pc, job, groups, heads, link, timers, rank, setup)
         else:
-            target = HFTarget.from_pretrained(job.target, spec.target_layer_ids, dtype=setup.dtype, device=setup.device)
+            target = HFTarget.from_pretrained(
+                job.target, spec.target_layer_ids, dtype=setup.target_dtype, device=setup.device
+            )
             check_against_target(
                 spec, hidden_size=target.hidden_size, num_layers=target.num_layers, vocab_size=target.vocab_size
             )
@@ -116,7 +118,7 @@ def _serve_draft(
     per_target = assign_prompts([len(p) for p in prompts], job.max_new_tokens, pc.target_world_size)
     mine = [i for t in targets for i in per_target[pc.target_ranks.index(t)]]
     runtime = DraftRuntime.from_config(
-        pc, job.draft, heads, groups=groups, spec=setup.spec, dtype=heads.dtype, device=heads.device, timers=timers,
+        pc, job.draft, heads, groups=groups, spec=setup.spec, dtype=setup.dtype, device=heads.device, timers=timers,
         **pool_limits(pc, job, prompts, mine, setup.spec.block_size),
     )  # fmt: skip
     try:

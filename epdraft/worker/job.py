@@ -33,8 +33,10 @@ log = logging.getLogger(__name__)
 class RunJob(msgspec.Struct, frozen=True, kw_only=True):
     """What `epdraft run` asks every rank to do.
 
-    dtype: the target's and draft's weights; None = bfloat16 on CUDA (the fused expert kernels'
-    dtype), float32 on CPU.
+    dtype: the draft's weights; None = bfloat16 on CUDA (the fused expert kernels' dtype), float32
+    on CPU. target_dtype: the target's weights (float32 by default: the standalone target checks
+    losslessness against its own greedy decode, which bf16 batched verify does not reproduce bit
+    for bit).
     """
 
     draft: str
@@ -45,6 +47,7 @@ class RunJob(msgspec.Struct, frozen=True, kw_only=True):
     check_lossless: bool = True
     json_out: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    target_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +58,11 @@ class RankSetup:
     prompts: list[list[int]]
     device: torch.device
     dtype: torch.dtype
+    target_dtype: torch.dtype
 
 
 def rank_setup(pc: ParallelConfig, job: RunJob) -> RankSetup:
-    """Read the draft's spec (its config.json, once) and the prompts; resolve device and dtype."""
+    """Read the draft's spec (its config.json, once) and the prompts; resolve device and dtypes."""
     device_type, _ = resolve_backend(pc)
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     dtype_name = job.dtype or ("bfloat16" if device_type == "cuda" else "float32")
@@ -67,6 +71,7 @@ def rank_setup(pc: ParallelConfig, job: RunJob) -> RankSetup:
         prompts=read_prompts(job.prompts, job.max_prompts, tokenizer_dir=job.target),
         device=device,
         dtype=getattr(torch, dtype_name),
+        target_dtype=getattr(torch, job.target_dtype),
     )
 
 
@@ -94,7 +99,7 @@ def run_job(pc: ParallelConfig, config_path: str, groups: Groups | None, job: Ru
         return finish(report, target, job, pc, config_path, setup.prompts, group=None, root=0, select=select)
     assert groups is not None, "a colocated rank always holds the draft"
     spec = setup.spec
-    target = HFTarget.from_pretrained(job.target, spec.target_layer_ids, dtype=setup.dtype, device=setup.device)
+    target = HFTarget.from_pretrained(job.target, spec.target_layer_ids, dtype=setup.target_dtype, device=setup.device)
     check_against_target(
         spec, hidden_size=target.hidden_size, num_layers=target.num_layers, vocab_size=target.vocab_size
     )
