@@ -13,8 +13,9 @@ from tests.models.helpers import H, VOCAB, draft_config, randomize, tiny_target,
 pytest.importorskip("transformers")
 
 
-def naive_attention(attn: DFlashAttention, x_QH, pos_Q, ctx_LH, ctx_pos_L):
-    """Per-head loops straight from the DFlash formulas: rmsnorm, rotary pairs (i, i + D/2), softmax."""
+def naive_attention(attn: DFlashAttention, x_QH, pos_Q, ctx_LH, ctx_pos_L, allowed_QS=None):
+    """Per-head loops straight from the DFlash formulas: rmsnorm, rotary pairs (i, i + D/2), softmax
+    over the keys `allowed_QS` [Q, L + Q] permits (all of them when None)."""
     D, nh, g = attn.head_dim, attn.num_heads, attn.num_kv_heads
 
     def rms(v, w):
@@ -39,8 +40,9 @@ def naive_attention(attn: DFlashAttention, x_QH, pos_Q, ctx_LH, ctx_pos_L):
         vs = [Wv @ s for s in keys_src]
         for q in range(x_QH.shape[0]):
             qv = rot(rms(Wq @ x_QH[q], attn.q_norm.weight), int(pos_Q[q]))
-            w = torch.softmax(torch.stack([qv @ k for k in ks]) / math.sqrt(D), dim=0)
-            out[q, h * D:(h + 1) * D] = sum(wi * v for wi, v in zip(w, vs))
+            keep = [s for s in range(len(ks)) if allowed_QS is None or bool(allowed_QS[q, s])]
+            w = torch.softmax(torch.stack([qv @ ks[s] for s in keep]) / math.sqrt(D), dim=0)
+            out[q, h * D:(h + 1) * D] = sum(wi * vs[s] for wi, s in zip(w, keep))
     return out @ attn.o_proj.weight.T
 
 
