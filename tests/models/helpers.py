@@ -49,8 +49,12 @@ def draft_config(*, moe: bool = True, dspark: bool = False, block_size: int = 4,
 def randomize(module: torch.nn.Module, seed: int = 0, scale: float = 0.3) -> None:
     """Deterministic random weights everywhere (norm weights near 1), so every tensor matters."""
     gen = torch.Generator().manual_seed(seed)
+    params = dict(module.named_parameters())
     with torch.no_grad():
         for name, p in module.named_parameters():
+            if name.endswith("tid2eid"):  # a hash layer's token -> experts table: ids of its router's experts
+                p.copy_(torch.randint(0, params[name.replace("tid2eid", "weight")].shape[0], p.shape, generator=gen))
+                continue
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype)
             p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else scale * noise)
 

@@ -175,3 +175,39 @@ def test_batched_extend_contexts_equals_one_request_at_a_time():
             (ka, va), (kb, vb) = a.kv(layer), b.kv(layer)
             torch.testing.assert_close(kb, ka, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(vb, va, rtol=1e-5, atol=1e-6)
+
+
+def test_hash_routed_draft_routes_by_the_block_token_ids(tmp_path):
+    """A draft whose first layer is hash-routed: the block's ids reach it (cached == uncached with the
+    same ids), it needs them in the uncached forward, round-trips an export and decodes losslessly."""
+    cfg = draft_config(num_hash_layers=1)
+    draft = make_draft(seed=8, num_hash_layers=1)
+    assert [layer.token_routed for layer in draft.layers] == [True, False]
+    heads, gen = Heads(), torch.Generator().manual_seed(4)
+    feats = [torch.randn(n, 2 * H, generator=gen) for n in (3, 6)]
+    caches = []
+    for f in feats:
+        caches.append(draft.new_cache())
+        draft.extend_context(caches[-1], f)
+    anchors = torch.tensor([4, 19])
+    got = draft.block_hidden(caches, anchors, heads)
+    B = draft.block_size
+    for i, f in enumerate(feats):
+        ids = torch.tensor([int(anchors[i])] + [draft.spec.mask_token_id] * (B - 1))
+        L = f.shape[0]
+        with torch.no_grad():
+            want = draft(heads.embed(ids).unsqueeze(0), torch.arange(L, L + B).unsqueeze(0),
+                         draft.fuse_features(f).unsqueeze(0), torch.arange(L).unsqueeze(0), input_ids_NQ=ids.unsqueeze(0))
+        torch.testing.assert_close(got[i], want[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="layer 0 is hash-routed"):
+        draft(torch.zeros(1, B, H), torch.arange(B).unsqueeze(0), torch.zeros(1, 2, H), torch.arange(2).unsqueeze(0))
+    loaded = load_draft(write_export(draft, cfg, tmp_path / "hash"))
+    assert torch.equal(loaded.layers[0].mlp.router.tid2eid, draft.layers[0].mlp.router.tid2eid)
+    torch.testing.assert_close(loaded.block_hidden(caches, anchors, heads), got, rtol=0, atol=0)
+    target = tiny_target(2)
+    prompt, n = [3, 9, 27, 1, 40, 12], 16
+    out = speculative_generate(target, draft, prompt, n)
+    ids = torch.tensor([prompt])
+    want = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+    assert out.tokens == want
