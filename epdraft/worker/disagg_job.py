@@ -57,7 +57,7 @@ def run_disagg_job(pc: ParallelConfig, config_path: str, groups: Groups | None, 
     transport = make_transport(pc.placement.transfer, transfer_group, device=device, hostname=_this_host())
     spec = draft_spec(job.draft)
     link = PeerLink(ControlChannel(control, torch.device("cpu"), use_tags=True), transport,
-                    role="draft" if groups is not None else "target", block_size=spec.block_size)  # fmt: skip
+                    role="draft" if groups is not None else "target", block_size=spec.num_drafts + 1)  # fmt: skip
     dtype = getattr(torch, job.dtype)
     timers = PhaseTimers(device)
     prompts = read_prompts(job.prompts, job.max_prompts, tokenizer_dir=job.target)

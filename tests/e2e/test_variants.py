@@ -53,3 +53,16 @@ def test_variant_run_is_lossless(variant, layout, tmp_path):
     assert summary is not None and summary["lossless"] is True, proc.stdout
     assert summary["requests"] == 3 and not summary["failed_requests"]
     assert summary["generated_tokens"] == 3 * 20
+
+
+@pytest.mark.timeout(420)
+def test_autoregressive_variant_runs_disaggregated(tmp_path):
+    """B drafts per step (verify width B + 1) travel between draft and target nodes as well."""
+    made = subprocess.run([sys.executable, str(REPO / "tools" / "make_variant_draft.py"), str(tmp_path / "pair"),
+                           *VARIANTS["rnn-ar-sliding-hash"]], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert made.returncode == 0, made.stderr
+    pair = tmp_path / "pair"
+    proc, summary = run_epdraft(["configs/local-cpu-disagg.toml", "--draft", str(pair / "draft"), "--target",
+                                 str(pair / "target"), "--max-prompts", "3", "--max-new-tokens", "20"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert summary is not None and summary["lossless"] is True and summary["generated_tokens"] == 60, proc.stdout
