@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from epdraft.errors import ConfigError
+
 MIN_CAPACITY = 64
 """Rows a layer's buffer starts with (or the first append's rows, if more)."""
 
@@ -32,7 +34,7 @@ class DraftCache:
     def __init__(self, num_layers: int, windows: Sequence[int | None] | None = None):
         windows = list(windows) if windows is not None else [None] * num_layers
         if len(windows) != num_layers:
-            raise ValueError(f"{len(windows)} windows for {num_layers} layers")
+            raise ConfigError(f"DraftCache: {len(windows)} windows for {num_layers} layers")
         self._keep = [None if w is None else w - 1 for w in windows]
         self._keys: list[torch.Tensor | None] = [None] * num_layers
         self._values: list[torch.Tensor | None] = [None] * num_layers

@@ -19,6 +19,7 @@ from torch import nn
 
 from epdraft.errors import ConfigError
 from epdraft.layers.moe_context import MoeContext
+from epdraft.models.cache import DraftCache
 from epdraft.models.dflash import DFlashDraft, TargetHeads
 from epdraft.models.spec import DraftModelSpec
 
@@ -120,7 +121,9 @@ class DSparkDraft(DFlashDraft):
         return self.confidence_head(inputs)
 
     @torch.no_grad()
-    def propose_scored(self, caches, anchors_N: torch.Tensor, heads: TargetHeads) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose_scored(
+        self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(drafts [N, num_drafts] int64, confidence [N, num_drafts] fp32): `propose` plus each draft's score,
         read from the same hidden row as the draft with the token before it (the anchor for the first)."""
         rows = self.draft_rows(self.block_hidden(caches, anchors_N, heads))
