@@ -62,11 +62,12 @@ class HFTarget:
                 f"target layer_types: layer {other[0][0]} is {other[0][1]!r}; only full_attention and "
                 "sliding_attention layers are supported"
             )
+        window = getattr(cfg, "sliding_window", None)
+        sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
+        if sliding and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ConfigError(f"target sliding_window = {window!r} must be a positive integer")
         # Per layer, the window transformers' own cache keeps (verify keeps the same rows).
         self.layer_windows = layer_windows(cfg)
-        bad = [w for w in self.layer_windows if w is not None and w < 1]
-        if bad:
-            raise ConfigError(f"target sliding_window = {bad[0]} must be a positive integer")
         self._kv: dict[int, RequestKV] = {}
 
     @classmethod
