@@ -13,7 +13,6 @@ group, which is killed when the launcher exits: no worker outlives it.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import math
 import os
@@ -29,6 +28,7 @@ from typing import IO, Sequence
 
 from epdraft.config.parallel import ParallelConfig, load_parallel_config
 from epdraft.errors import ConfigError
+from epdraft.parallel.address import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -149,16 +149,6 @@ def run_local_nodes(cmds: Sequence[list[str]], pc: ParallelConfig, args: argpars
         log.error("stopped node%s %s: node %d failed first", "s" if len(stopped) > 1 else "",
                   ", ".join(map(str, stopped)), first_failed)  # fmt: skip
     return code
-
-
-def is_loopback(address: str) -> bool:
-    """Whether `address` (an IP or "localhost") names this host's loopback: no other host can join there."""
-    if address == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
 
 
 class _StderrWatcher(threading.Thread):

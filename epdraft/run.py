@@ -17,7 +17,8 @@ import argparse
 from pathlib import Path
 
 from epdraft.config.parallel import load_parallel_config
-from epdraft.launch import add_node_arguments, is_loopback, run_local_nodes, run_torchrun, torchrun_command
+from epdraft.launch import add_node_arguments, run_local_nodes, run_torchrun, torchrun_command
+from epdraft.parallel.address import is_loopback
 
 PACKAGE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = PACKAGE / "configs" / "local-cpu-2.toml"
@@ -37,15 +38,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (default all)")
     parser.add_argument("--no-lossless-check", action="store_true", help="skip the target-only reference decode")
     parser.add_argument("--json", help="also write the summary as JSON to this path")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                        help="target and draft weights' dtype (default float32; bf16 uses the fused GPU kernels)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="target and draft weights' dtype (default: bfloat16 on CUDA, where the fused expert "
+                             "kernels run, float32 on CPU)")
     add_node_arguments(parser)
     # None: this node only on a single-node config or a remote master, every node when the master is loopback.
     parser.set_defaults(node_rank=None)
 
 
 def main(args: argparse.Namespace) -> int:
+    from epdraft.parallel.groups import resolve_backend
+
     pc = load_parallel_config(args.config, args.set)
+    # What this host can run (CUDA or not, the backend `auto` resolves to) is refused here, before any rank starts.
+    resolve_backend(pc)
     worker_args = [
         "--draft", args.draft,
         "--target", args.target,
@@ -53,8 +59,9 @@ def main(args: argparse.Namespace) -> int:
         "--max-new-tokens", str(args.max_new_tokens),
         "--max-prompts", str(args.max_prompts),
         "--log-level", args.log_level,
-        "--dtype", args.dtype,
     ]  # fmt: skip
+    if args.dtype:
+        worker_args += ["--dtype", args.dtype]
     if args.no_lossless_check:
         worker_args.append("--no-lossless-check")
     if args.json:

@@ -1,6 +1,6 @@
 """Run a function on N CPU ranks (gloo) with a deadline: the one multi-rank test harness.
 
-A thin test-side face of `epdraft.worker.spawn.run_local_ranks`: a failing or hung rank fails the
+A thin test-side face of `epdraft.parallel.spawn.run_local_ranks`: a failing or hung rank fails the
 test with an AssertionError carrying the rank's traceback or naming the ranks killed at the deadline.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from epdraft.errors import ParallelError
-from epdraft.worker.spawn import free_port, run_local_ranks
+from epdraft.parallel.spawn import free_port, run_local_ranks
 
 __all__ = ["free_port", "run_ranks"]
 

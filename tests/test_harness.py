@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 
 from epdraft.errors import ParallelError
-from epdraft.worker.spawn import run_local_ranks
+from epdraft.parallel.spawn import run_local_ranks
 from tests.harness import run_ranks
 
 

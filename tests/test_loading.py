@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 from epdraft.config.ffn import ActivationSpec, DraftMoeFFNSpec, RouterSpec
 from epdraft.errors import LoadError
 from epdraft.layers import DraftMLP, DraftMoE
-from epdraft.layers.moe_context import MoeContext
 from epdraft.loading import load_ffn, open_checkpoint
+from tests.stubs import LocalIdsDispatcher, shard_layout
 
 E, I, H, S, LAYER = 8, 16, 32, 24, 3
 
@@ -139,8 +139,8 @@ def _save_sharded(tensors, directory):
     return directory
 
 
-def _build(spec=SPEC, **ctx):
-    return DraftMoE(spec, H, layer_id=LAYER, moe_context=MoeContext(**ctx))
+def _build(spec=SPEC, **shard):
+    return DraftMoE(spec, H, layer_id=LAYER, dispatcher=LocalIdsDispatcher(shard_layout(spec, H, **shard)))
 
 
 def _state(module):

@@ -8,7 +8,7 @@ each layout reports the bytes its dispatch sends per rank against NVLink's 450 G
 
 For every layout the config's moe_ep x moe_tp allows, and every combination of `--rows`,
 `--hidden` and `--top-k` (comma lists, one world for the whole sweep), it runs `--warmup` + `--steps`
-steps of one synthetic MoE layer with N random rows per rank, timing sync (StepSync on the gloo
+steps of one synthetic MoE layer with N random rows per rank, timing sync (StepCoordinator on the gloo
 `cpu` group), dispatch, experts and combine. On CPU sync includes the router and every phase is
 wall clock; on CUDA sync is wall clock, the router runs untimed after it, and dispatch, experts and
 combine are CUDA events (read after a device synchronize at the end of each step). A phase's time
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from epdraft.config.ffn import DraftMoeFFNSpec, RouterSpec
 from epdraft.config.parallel import ParallelConfig, load_parallel_config
 from epdraft.errors import ConfigError
-from epdraft.worker.spawn import run_local_ranks
+from epdraft.parallel.spawn import run_local_ranks
 
 PHASES = ("sync", "dispatch", "experts", "combine")
 CPU_OVERRIDES = ('cluster.device="cpu"', 'cluster.backend="gloo"', 'draft.a2a_backend="torch"')
@@ -163,17 +163,16 @@ class _Marks:
 
 def _time_layouts(rank: int, world: int, pc: ParallelConfig, sweep: Sweep) -> list[dict]:
     """One rank's loop: every layout x (hidden, top_k) x rows, warmup + steps; rank 0 returns the medians."""
-    from epdraft.dispatch.factory import make_dispatcher
+    from epdraft.dispatch import MoeLayout, make_dispatcher
     from epdraft.layers.moe import DraftMoE
-    from epdraft.layers.moe_context import MoeContext
-    from epdraft.worker.dp_sync import StepSync
-    from epdraft.worker.groups import Groups
+    from epdraft.parallel.groups import Groups
+    from epdraft.runtime.coordinator import StepCoordinator
 
     cuda = sweep.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     groups = Groups.from_config(pc)
-    sync = StepSync(groups.cpu)
+    sync = StepCoordinator(groups.cpu)
     results, step = [], 0
     for hidden, top_k in itertools.product(sweep.hidden, sweep.top_k):
         spec = DraftMoeFFNSpec(
@@ -184,18 +183,21 @@ def _time_layouts(rank: int, world: int, pc: ParallelConfig, sweep: Sweep) -> li
             head = {"layout": layout, "dp_padding": padding, "hidden": hidden, "top_k": top_k}
             if cuda:
                 head["a2a_backend"] = backend
-            try:
-                dispatcher = make_dispatcher(
-                    layout, backend.removesuffix("_ll"), groups.moe if sharded else None, spec.num_experts, hidden,
-                    ep_size=groups.ep_size if sharded else 1, tp_size=groups.tp_size if sharded else 1,
-                    dp_padding=padding, top_k=spec.top_k, max_tokens_per_rank=-(-max(sweep.rows) // 4) * 4,
-                    low_latency=backend == "deepep_ll",
+            facts = dict(num_experts=spec.num_experts, hidden_size=hidden, top_k=spec.top_k, device_type=sweep.device)
+            moe_layout = MoeLayout.local(**facts)
+            if sharded:
+                moe_layout = MoeLayout(
+                    layout=layout, backend=backend.removesuffix("_ll"), dp_padding=padding,
+                    low_latency=backend == "deepep_ll", max_rows_per_rank=-(-max(sweep.rows) // 4) * 4,
+                    ep_rank=groups.ep_rank, ep_size=groups.ep_size, tp_rank=groups.tp_rank, tp_size=groups.tp_size,
+                    **facts,
                 )  # fmt: skip
+            try:
+                dispatcher = make_dispatcher(moe_layout, groups.moe if sharded else None)
             except ConfigError as e:  # raised alike on every rank before any collective: all skip together
                 results += [{**head, "rows_per_rank": rows, "skipped": str(e)} for rows in sweep.rows]
                 continue
-            ctx = groups.moe_context(dispatcher) if sharded else MoeContext()
-            moe = DraftMoE(spec, hidden, moe_context=ctx, dtype=dtype, device=device)
+            moe = DraftMoE(spec, hidden, dispatcher=dispatcher, dtype=dtype, device=device)
             with torch.no_grad():
                 for p in moe.parameters():
                     gen = torch.Generator(device=device).manual_seed(7)
@@ -209,7 +211,6 @@ def _time_layouts(rank: int, world: int, pc: ParallelConfig, sweep: Sweep) -> li
                         x = torch.randn(rows, hidden, generator=gen, device=device).to(dtype)
                         t0 = time.perf_counter()
                         plan = sync.sync(step, x.shape[0])
-                        ctx.begin_step(plan)
                         if not cuda:
                             ids, weights = moe.router(x)
                         sync_ms = (time.perf_counter() - t0) * 1e3

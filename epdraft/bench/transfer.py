@@ -19,7 +19,7 @@ import msgspec
 import torch.distributed as dist
 
 from epdraft.errors import ConfigError
-from epdraft.worker.spawn import run_local_ranks
+from epdraft.parallel.spawn import run_local_ranks
 from epdraft.worker.transfer import TRANSPORTS, BufferSpec, StepPayload, make_transport, mooncake_unavailable_reason
 
 DEFAULT_SIZES = "0x20480,64x20480,1MiB,64MiB"

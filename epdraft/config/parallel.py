@@ -31,7 +31,10 @@ else:  # the same parser, before it joined the standard library
 
 from epdraft.errors import ConfigError
 
-_CUDA_A2A_BACKENDS = ("deepep", "mooncake")
+# The all-to-all backends that need CUDA GPUs (and an NCCL group): refused here on a CPU config.
+CUDA_A2A_BACKENDS = ("deepep", "mooncake")
+# Backends whose buffers are fixed at build time: they need draft.max_rows_per_rank.
+FIXED_BUFFER_A2A_BACKENDS = ("deepep", "mooncake")
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -59,6 +62,15 @@ class DraftConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     moe_tp: Annotated[int, msgspec.Meta(ge=1, description="slices of each expert's intermediate dim")] = 1
     a2a_backend: Literal["torch", "deepep", "mooncake"] = "torch"
     dp_padding: Literal["max_len", "sum_len"] = "max_len"
+    low_latency: Annotated[
+        bool, msgspec.Meta(description="deepep only: the fixed-buffer low-latency kernels (no host sync)")
+    ] = False
+    max_rows_per_rank: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0, description="rows per rank per step (requests x block size) fixed-buffer backends are sized for"
+        ),
+    ] = 256
 
     @property
     def moe_group_size(self) -> int:
@@ -153,7 +165,7 @@ def _check_cluster(pc: ParallelConfig) -> None:
     c = pc.cluster
     if c.device == "cpu" and c.backend == "nccl":
         raise ConfigError("cluster.backend = 'nccl' needs CUDA but cluster.device = 'cpu'; use 'gloo' or 'auto'")
-    if c.device == "cpu" and pc.draft.a2a_backend in _CUDA_A2A_BACKENDS:
+    if c.device == "cpu" and pc.draft.a2a_backend in CUDA_A2A_BACKENDS:
         raise ConfigError(
             f"draft.a2a_backend = {pc.draft.a2a_backend!r} needs CUDA but cluster.device = 'cpu'; use 'torch'"
         )
@@ -215,10 +227,20 @@ def _check_draft(pc: ParallelConfig) -> None:
             f"{key} = {value}: draft.moe_ep x draft.moe_tp = {d.moe_ep} x {d.moe_tp} = {d.moe_group_size} "
             f"must divide draft.attn_dp = {d.attn_dp}"
         )
-    if d.a2a_backend in _CUDA_A2A_BACKENDS and d.moe_layout != "alltoall":
+    if d.a2a_backend in CUDA_A2A_BACKENDS and d.moe_layout != "alltoall":
         raise ConfigError(
             f"draft.a2a_backend = {d.a2a_backend!r} only applies to draft.moe_layout = 'alltoall' "
             f"(got {d.moe_layout!r}); use 'torch'"
+        )
+    if d.low_latency and d.a2a_backend != "deepep":
+        raise ConfigError(
+            f"draft.low_latency = true selects DeepEP's low-latency kernels; it needs draft.a2a_backend = 'deepep' "
+            f"(got {d.a2a_backend!r})"
+        )
+    if d.a2a_backend in FIXED_BUFFER_A2A_BACKENDS and d.max_rows_per_rank == 0:
+        raise ConfigError(
+            f"draft.max_rows_per_rank = 0: draft.a2a_backend = {d.a2a_backend!r} sizes fixed buffers and needs "
+            "the most rows one rank sends per step (requests x block size)"
         )
 
 

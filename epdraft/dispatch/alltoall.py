@@ -17,7 +17,7 @@ import torch.distributed as dist
 from epdraft.dispatch.base import Dispatched
 from epdraft.dispatch.plan import StepPlan
 from epdraft.dispatch.rows import group_counts, pack_route, unpack_route
-from epdraft.dispatch.setup import DispatchSetup
+from epdraft.dispatch.layout import MoeLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,18 +36,17 @@ class ExchangedRows(Dispatched):
 class AllToAllDispatcher:
     """all_to_all_single dispatch/combine over the EP group (whole experts per rank, moe_tp = 1)."""
 
-    def __init__(self, setup: DispatchSetup, group: dist.ProcessGroup):
-        self.setup = setup
+    def __init__(self, layout: MoeLayout, group: dist.ProcessGroup):
+        self.layout = layout
         self.group = group
         self.group_size = dist.get_world_size(group)
-        ep_rank, _ = setup.placement(group)
-        self.first_expert = ep_rank * setup.num_local_experts
+        self.first_expert = layout.first_expert
 
     @staticmethod
-    def unsupported_reason(setup: DispatchSetup, group: dist.ProcessGroup) -> str | None:
-        if setup.tp_size > 1:
+    def unsupported_reason(layout: MoeLayout, group: dist.ProcessGroup) -> str | None:
+        if layout.tp_size > 1:
             return (
-                f"draft.moe_layout = 'alltoall' sends tokens to whole experts; draft.moe_tp = {setup.tp_size} "
+                f"draft.moe_layout = 'alltoall' sends tokens to whole experts; draft.moe_tp = {layout.tp_size} "
                 "splits them (use moe_layout = 'gather' for moe_tp > 1)"
             )
         return None
@@ -62,7 +61,7 @@ class AllToAllDispatcher:
         """
         T, H = x_TH.shape
         counts = group_counts(plan, self.group, T)
-        e = self.setup.num_local_experts
+        e = self.layout.num_local_experts
         owner_TK = topk_ids_TK // e
         if sum(counts) == 0:  # the whole group agrees (same plan): no collective
             ids_RK, weights_RK = unpack_route(pack_route(topk_ids_TK, topk_weights_TK), self.first_expert, e)

@@ -17,7 +17,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from epdraft.dispatch.layout import MoeLayout
 from epdraft.dispatch.plan import StepPlan
+from epdraft.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +40,12 @@ class Dispatched:
 
 @runtime_checkable
 class Dispatcher(Protocol):
-    """Every rank of the MoE group calls dispatch and combine once per MoE layer per step, rows or not."""
+    """Every rank of the MoE group calls dispatch and combine once per MoE layer per step, rows or not.
+
+    `layout` is the rank's resolved MoeLayout: which experts it holds, which backend moves rows.
+    """
+
+    layout: MoeLayout
 
     def dispatch(
         self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, plan: StepPlan
@@ -57,6 +64,11 @@ class Dispatcher(Protocol):
 
 class ReplicatedDispatcher:
     """Every rank holds every expert: no communication, ids are already local."""
+
+    def __init__(self, layout: MoeLayout):
+        if layout.group_size != 1:
+            raise ConfigError(f"a replicated dispatcher needs a layout holding every expert, got ep {layout.ep_size} x tp {layout.tp_size}")
+        self.layout = layout
 
     def dispatch(
         self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, plan: StepPlan | None = None

@@ -16,7 +16,7 @@ from epdraft.dispatch.base import Dispatched
 from epdraft.dispatch.masked import BackendRows, gpu_a2a_reason, masked_rows, pad_idle
 from epdraft.dispatch.plan import StepPlan
 from epdraft.dispatch.rows import group_counts
-from epdraft.dispatch.setup import DispatchSetup
+from epdraft.dispatch.layout import MoeLayout
 from epdraft.errors import ConfigError, ParallelError
 
 INSTALL = "pip install 'epdraft[deepep]' (sgl-deep-ep, CUDA 13)"
@@ -29,54 +29,54 @@ _LL_MAX_TOPK = 11
 class DeepEPDispatcher:
     """DeepEP dispatch/combine over the EP group (NCCL, CUDA, bf16 rows)."""
 
-    def __init__(self, setup: DispatchSetup, group: dist.ProcessGroup):
+    def __init__(self, layout: MoeLayout, group: dist.ProcessGroup):
         try:
             import deep_ep
         except ImportError as e:
             raise ConfigError(f"draft.a2a_backend = 'deepep' needs DeepEP: {INSTALL}") from e
-        self.setup = setup
+        self.layout = layout
         self.group = group
         self.id_dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
         R = dist.get_world_size(group)
-        if setup.low_latency:
+        if layout.low_latency:
             rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(
-                setup.max_tokens_per_rank, setup.hidden_size, R, setup.num_experts
+                layout.max_rows_per_rank, layout.hidden_size, R, layout.num_experts
             )
             self.buffer = deep_ep.Buffer(
                 group,
                 0,
                 rdma_bytes,
                 low_latency_mode=True,
-                num_qps_per_rank=setup.num_local_experts,
+                num_qps_per_rank=layout.num_local_experts,
                 explicitly_destroy=True,
             )
         else:
-            hidden_bytes = setup.hidden_size * 2  # bf16 rows
+            hidden_bytes = layout.hidden_size * 2  # bf16 rows
             configs = (deep_ep.Buffer.get_dispatch_config(R), deep_ep.Buffer.get_combine_config(R))
             nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden_bytes, R) for c in configs)
             rdma_bytes = max(c.get_rdma_buffer_size_hint(hidden_bytes, R) for c in configs) if R > 8 else 0
             self.buffer = deep_ep.Buffer(group, nvl_bytes, rdma_bytes, explicitly_destroy=True)
 
     @staticmethod
-    def unsupported_reason(setup: DispatchSetup, group: dist.ProcessGroup) -> str | None:
-        reason = gpu_a2a_reason(setup, group, "deep_ep", INSTALL)
+    def unsupported_reason(layout: MoeLayout, group: dist.ProcessGroup) -> str | None:
+        reason = gpu_a2a_reason(layout, group, "deep_ep", INSTALL)
         if reason is not None:
             return reason
         R = dist.get_world_size(group)
-        if setup.hidden_size % 8:
-            return f"hidden size {setup.hidden_size}: DeepEP needs bf16 rows of a multiple of 16 bytes"
-        if setup.low_latency:
-            if setup.hidden_size not in _LL_HIDDEN:
-                return f"hidden size {setup.hidden_size}: DeepEP low-latency kernels exist for {_LL_HIDDEN}"
-            if not 0 < setup.top_k <= _LL_MAX_TOPK:
-                return f"top_k = {setup.top_k}: DeepEP low-latency takes 1..{_LL_MAX_TOPK}"
-            if setup.max_tokens_per_rank <= 0 or (R * setup.max_tokens_per_rank) % 4:
-                return f"max_tokens_per_rank = {setup.max_tokens_per_rank}: low-latency needs > 0 with R*T % 4 == 0"
+        if layout.hidden_size % 8:
+            return f"hidden size {layout.hidden_size}: DeepEP needs bf16 rows of a multiple of 16 bytes"
+        if layout.low_latency:
+            if layout.hidden_size not in _LL_HIDDEN:
+                return f"hidden size {layout.hidden_size}: DeepEP low-latency kernels exist for {_LL_HIDDEN}"
+            if not 0 < layout.top_k <= _LL_MAX_TOPK:
+                return f"top_k = {layout.top_k}: DeepEP low-latency takes 1..{_LL_MAX_TOPK}"
+            if layout.max_rows_per_rank <= 0 or (R * layout.max_rows_per_rank) % 4:
+                return f"max_rows_per_rank = {layout.max_rows_per_rank}: low-latency needs > 0 with R*T % 4 == 0"
             return None
         if not (R in (2, 4, 8) or (R % 8 == 0 and R // 8 in _NORMAL_INTERNODE_NODES)):
             return f"{R} EP ranks: DeepEP normal kernels take 2, 4, 8 per node or 8 x {_NORMAL_INTERNODE_NODES}"
-        if setup.top_k > _MAX_TOPK:
-            return f"top_k = {setup.top_k}: DeepEP takes at most {_MAX_TOPK}"
+        if layout.top_k > _MAX_TOPK:
+            return f"top_k = {layout.top_k}: DeepEP takes at most {_MAX_TOPK}"
         return None
 
     def dispatch(
@@ -94,18 +94,18 @@ class DeepEPDispatcher:
         if sum(counts) == 0:  # the whole group agrees (same plan): no collective
             return BackendRows(x_TH, topk_ids_TK, topk_weights_TK, T, topk_ids_TK, topk_weights_TK, backend_handle=None)
         x, ids, weights = pad_idle(x_TH, topk_ids_TK, topk_weights_TK, self.id_dtype)
-        if self.setup.low_latency:
-            if max(counts) > self.setup.max_tokens_per_rank:
+        if self.layout.low_latency:
+            if max(counts) > self.layout.max_rows_per_rank:
                 raise ParallelError(
-                    f"step {plan.step}: {max(counts)} rows on one rank exceed deepep max_tokens_per_rank = "
-                    f"{self.setup.max_tokens_per_rank}"
+                    f"step {plan.step}: {max(counts)} rows on one rank exceed deepep max_rows_per_rank = "
+                    f"{self.layout.max_rows_per_rank}"
                 )
             recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
-                x, ids, self.setup.max_tokens_per_rank, self.setup.num_experts, use_fp8=False
+                x, ids, self.layout.max_rows_per_rank, self.layout.num_experts, use_fp8=False
             )
             rows, ids_R1, weights_R1 = masked_rows(recv_x, recv_count)
             return BackendRows(rows, ids_R1, weights_R1, T, ids, weights, handle, tuple(recv_x.shape))
-        per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(ids, self.setup.num_experts)
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(ids, self.layout.num_experts)
         recv_x, recv_ids, recv_weights, _, handle, _ = self.buffer.dispatch(
             x,
             topk_idx=ids,

@@ -1,97 +1,78 @@
-"""make_dispatcher: the one place that knows every layout and backend."""
+"""make_dispatcher: the one place that knows every layout and backend (the registry below).
+
+Adding an all-to-all backend is three files: its module here (a class with `__init__(layout,
+group)`, `unsupported_reason(layout, group)`, dispatch / combine / close), one line in
+`REGISTRY`, and its name in `draft.a2a_backend`'s schema (`epdraft/config/parallel.py`). See
+docs/dispatch-backends.md.
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 import torch.distributed as dist
 
 from epdraft.dispatch.base import Dispatcher, ReplicatedDispatcher
-from epdraft.dispatch.setup import DispatchSetup, DpPadding
+from epdraft.dispatch.layout import MoeLayout
 from epdraft.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-LAYOUTS = ("replicated", "alltoall", "gather")
-A2A_BACKENDS = ("torch", "deepep", "mooncake")
+# (layout, a2a backend) -> "module:Class", imported only when built, so a missing optional package
+# (DeepEP, Mooncake EP) costs nothing until a config asks for it.
+REGISTRY: dict[tuple[str, str], str] = {
+    ("gather", "torch"): "epdraft.dispatch.gather:GatherDispatcher",
+    ("alltoall", "torch"): "epdraft.dispatch.alltoall:AllToAllDispatcher",
+    ("alltoall", "deepep"): "epdraft.dispatch.deepep:DeepEPDispatcher",
+    ("alltoall", "mooncake"): "epdraft.dispatch.mooncake:MooncakeDispatcher",
+}
 
 
-def _backend_class(layout: str, backend: str) -> type:
-    if layout == "gather":
-        from epdraft.dispatch.gather import GatherDispatcher
-
-        return GatherDispatcher
-    if backend == "torch":
-        from epdraft.dispatch.alltoall import AllToAllDispatcher
-
-        return AllToAllDispatcher
-    if backend == "deepep":
-        from epdraft.dispatch.deepep import DeepEPDispatcher
-
-        return DeepEPDispatcher
-    if backend == "mooncake":
-        from epdraft.dispatch.mooncake import MooncakeDispatcher
-
-        return MooncakeDispatcher
-    raise ConfigError(f"draft.a2a_backend = {backend!r}: expected one of {', '.join(A2A_BACKENDS)}")
-
-
-def make_dispatcher(
-    layout: str,
-    backend: str,
-    group: dist.ProcessGroup | None,
-    num_experts: int,
-    hidden_size: int,
-    *,
-    ep_size: int,
-    tp_size: int,
-    dp_padding: DpPadding = "max_len",
-    top_k: int = 0,
-    max_tokens_per_rank: int = 0,
-    low_latency: bool = False,
-) -> Dispatcher:
-    """Build the dispatcher of one MoE layer for the MoE group `group` (ep_size * tp_size ranks).
-
-    Args:
-        layout: draft.moe_layout, already resolved ("auto" is resolved by
-            `epdraft.dispatch.planner.choose_layout` before this call).
-        backend: draft.a2a_backend, read for layout "alltoall" only.
-        group: the MoE group (None only for "replicated").
-        dp_padding: draft.dp_padding for "gather".
-        top_k, max_tokens_per_rank: what fixed-buffer backends (deepep, mooncake) check and size.
-        low_latency: deepep's low-latency kernels instead of its normal ones.
-    Raises:
-        ConfigError: unknown layout/backend, a group that does not match ep_size * tp_size, or the
-            backend's own unsupported reason, quoted.
-    """
-    if layout == "replicated":
-        return ReplicatedDispatcher()
-    if layout not in LAYOUTS:
-        hint = " (resolve it with epdraft.dispatch.planner.choose_layout first)" if layout == "auto" else ""
-        raise ConfigError(f"draft.moe_layout = {layout!r}: make_dispatcher takes one of {', '.join(LAYOUTS)}{hint}")
-    if group is None:
-        raise ConfigError(f"draft.moe_layout = {layout!r} needs the MoE process group, got None")
-    setup = DispatchSetup(
-        num_experts=num_experts,
-        hidden_size=hidden_size,
-        ep_size=ep_size,
-        tp_size=tp_size,
-        top_k=top_k,
-        dp_padding=dp_padding,
-        max_tokens_per_rank=max_tokens_per_rank,
-        low_latency=low_latency,
-    )
-    if dist.get_world_size(group) != setup.group_size:
+def _dispatcher_class(layout: MoeLayout) -> type:
+    entry = REGISTRY.get((layout.layout, layout.backend))
+    if entry is None:
+        known = sorted({b for lay, b in REGISTRY if lay == layout.layout})
         raise ConfigError(
-            f"draft.moe_ep = {ep_size} x draft.moe_tp = {tp_size} = {setup.group_size} ranks, "
+            f"draft.a2a_backend = {layout.backend!r} with draft.moe_layout = {layout.layout!r}: "
+            f"expected one of {', '.join(known)}"
+        )
+    module, name = entry.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def unsupported_reason(layout: MoeLayout, group: dist.ProcessGroup | None) -> str | None:
+    """Why `layout` cannot run on `group` here (the backend's own words), or None."""
+    if layout.layout == "replicated":
+        return None
+    cls = _dispatcher_class(layout)
+    if group is None:
+        return f"moe_layout {layout.layout!r} needs the MoE process group"
+    if dist.get_world_size(group) != layout.group_size:
+        return (
+            f"draft.moe_ep = {layout.ep_size} x draft.moe_tp = {layout.tp_size} = {layout.group_size} ranks, "
             f"but the MoE group has {dist.get_world_size(group)}"
         )
-    if num_experts % ep_size:
-        raise ConfigError(f"draft.moe_ep = {ep_size} must divide the draft's {num_experts} experts")
-    cls = _backend_class(layout, backend)
-    reason = cls.unsupported_reason(setup, group)
+    return cls.unsupported_reason(layout, group)
+
+
+def check_runnable(layout: MoeLayout, group: dist.ProcessGroup | None) -> None:
+    """Raise ConfigError naming the key and quoting `unsupported_reason` when `layout` cannot run."""
+    reason = unsupported_reason(layout, group)
     if reason is not None:
-        name = "moe_layout = 'gather'" if layout == "gather" else f"a2a_backend = {backend!r}"
-        raise ConfigError(f"draft.{name} cannot run here: {reason}")
-    log.debug("MoE dispatcher: %s (%s), %s", layout, cls.__name__, setup)
-    return cls(setup, group)
+        key = "moe_layout = 'gather'" if layout.layout == "gather" else f"a2a_backend = {layout.backend!r}"
+        raise ConfigError(f"draft.{key} cannot run here: {reason}")
+
+
+def make_dispatcher(layout: MoeLayout, group: dist.ProcessGroup | None) -> Dispatcher:
+    """Build the dispatcher every MoE layer of this rank's draft talks through, over MoE group `group`.
+
+    `layout` comes from `MoeLayout.resolve` (which already checked it); `group` is None only for
+    "replicated". Raises ConfigError quoting the backend's reason when it cannot run.
+    """
+    if layout.layout == "replicated":
+        return ReplicatedDispatcher(layout)
+    check_runnable(layout, group)
+    cls = _dispatcher_class(layout)
+    log.debug("MoE dispatcher: %s (%s)", layout.label, cls.__name__)
+    return cls(layout, group)

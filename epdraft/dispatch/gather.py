@@ -21,7 +21,7 @@ import torch.distributed as dist
 from epdraft.dispatch.base import Dispatched
 from epdraft.dispatch.plan import StepPlan
 from epdraft.dispatch.rows import group_counts, pack_route, unpack_route
-from epdraft.dispatch.setup import DispatchSetup
+from epdraft.dispatch.layout import MoeLayout
 
 log = logging.getLogger(__name__)
 
@@ -62,17 +62,16 @@ def _has_reduce_scatter(group: dist.ProcessGroup) -> bool:
 class GatherDispatcher:
     """DP gather/scatter around this rank's expert shard (EP experts and/or moe_tp slice)."""
 
-    def __init__(self, setup: DispatchSetup, group: dist.ProcessGroup):
-        self.setup = setup
+    def __init__(self, layout: MoeLayout, group: dist.ProcessGroup):
+        self.layout = layout
         self.group = group
-        ep_rank, _ = setup.placement(group)
-        self.first_expert = ep_rank * setup.num_local_experts
-        self.native_reduce_scatter = setup.dp_padding != "max_len" or _has_reduce_scatter(group)
+        self.first_expert = layout.first_expert
+        self.native_reduce_scatter = layout.dp_padding != "max_len" or _has_reduce_scatter(group)
         if not self.native_reduce_scatter:
             log.info("gloo group without reduce_scatter: max_len combine uses all_reduce + slice")
 
     @staticmethod
-    def unsupported_reason(setup: DispatchSetup, group: dist.ProcessGroup) -> str | None:
+    def unsupported_reason(layout: MoeLayout, group: dist.ProcessGroup) -> str | None:
         """Every EP x moe_tp split and every process-group backend works."""
         return None
 
@@ -90,7 +89,7 @@ class GatherDispatcher:
         route_T2K = pack_route(topk_ids_TK, topk_weights_TK)
         if sum(counts) == 0:  # the whole group agrees (same plan): no collective
             rows_RH, route_R2K, start, slot = x_TH, route_T2K, 0, 0
-        elif self.setup.dp_padding == "max_len":
+        elif self.layout.dp_padding == "max_len":
             slot = max(counts)
             start = g * slot
             x_MH = x_TH.new_zeros(slot, H)
@@ -111,7 +110,7 @@ class GatherDispatcher:
             route_R2K[start : start + T] = route_T2K
             dist.all_reduce(rows_RH, group=self.group)
             dist.all_reduce(route_R2K, group=self.group)
-        ids_RK, weights_RK = unpack_route(route_R2K, self.first_expert, self.setup.num_local_experts)
+        ids_RK, weights_RK = unpack_route(route_R2K, self.first_expert, self.layout.num_local_experts)
         return GatheredRows(rows_RH, ids_RK, weights_RK, T, start=start, slot=slot)
 
     def combine(self, expert_out_RH: torch.Tensor, handle: Dispatched) -> torch.Tensor:

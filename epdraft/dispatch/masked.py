@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from epdraft.dispatch.base import Dispatched
-from epdraft.dispatch.setup import DispatchSetup
+from epdraft.dispatch.layout import MoeLayout
 
 
-def gpu_a2a_reason(setup: DispatchSetup, group: dist.ProcessGroup, module: str, install: str) -> str | None:
+def gpu_a2a_reason(layout: MoeLayout, group: dist.ProcessGroup, module: str, install: str) -> str | None:
     """Why a CUDA all-to-all module cannot serve this group, or None (package, CUDA, NCCL, moe_tp).
 
     `find_spec` of a submodule imports its parent package (not the CUDA extension itself).
@@ -27,8 +27,8 @@ def gpu_a2a_reason(setup: DispatchSetup, group: dist.ProcessGroup, module: str, 
     backend = dist.get_backend(group)
     if backend != dist.Backend.NCCL:
         return f"the MoE group's backend is {backend}: {package} needs an NCCL group"
-    if setup.tp_size > 1:
-        return f"{package} sends tokens to whole experts; draft.moe_tp = {setup.tp_size} splits them (use moe_layout = 'gather')"
+    if layout.tp_size > 1:
+        return f"{package} sends tokens to whole experts; draft.moe_tp = {layout.tp_size} splits them (use moe_layout = 'gather')"
     return None
 
 

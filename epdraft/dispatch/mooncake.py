@@ -15,7 +15,7 @@ from epdraft.dispatch.base import Dispatched
 from epdraft.dispatch.masked import BackendRows, gpu_a2a_reason, masked_rows, pad_idle
 from epdraft.dispatch.plan import StepPlan
 from epdraft.dispatch.rows import group_counts
-from epdraft.dispatch.setup import DispatchSetup
+from epdraft.dispatch.layout import MoeLayout
 from epdraft.errors import ConfigError, ParallelError
 
 INSTALL = "pip install 'epdraft[mooncake-cuda13]' (Mooncake EP ships only in the CUDA builds)"
@@ -26,28 +26,28 @@ _TIMEOUT_US = 30_000_000  # a peer silent for 30 s is dead, not slow
 class MooncakeDispatcher:
     """Mooncake EP dispatch/combine over the EP group (NCCL, CUDA, bf16 rows, H % 128 == 0)."""
 
-    def __init__(self, setup: DispatchSetup, group: dist.ProcessGroup):
+    def __init__(self, layout: MoeLayout, group: dist.ProcessGroup):
         try:
             from mooncake.mooncake_ep_buffer import Buffer
         except ImportError as e:
             raise ConfigError(f"draft.a2a_backend = 'mooncake' needs Mooncake EP: {INSTALL}") from e
-        self.setup = setup
+        self.layout = layout
         self.group = group
         self.ranks = dist.get_process_group_ranks(group)
         R = len(self.ranks)
-        num_bytes = Buffer.get_ep_buffer_size_hint(setup.max_tokens_per_rank, setup.hidden_size, R, setup.num_experts)
+        num_bytes = Buffer.get_ep_buffer_size_hint(layout.max_rows_per_rank, layout.hidden_size, R, layout.num_experts)
         self.buffer = Buffer(group, num_bytes)
         self.active_ranks = torch.ones(R, dtype=torch.int32, device=torch.cuda.current_device())
 
     @staticmethod
-    def unsupported_reason(setup: DispatchSetup, group: dist.ProcessGroup) -> str | None:
-        reason = gpu_a2a_reason(setup, group, "mooncake.mooncake_ep_buffer", INSTALL)
+    def unsupported_reason(layout: MoeLayout, group: dist.ProcessGroup) -> str | None:
+        reason = gpu_a2a_reason(layout, group, "mooncake.mooncake_ep_buffer", INSTALL)
         if reason is not None:
             return reason
-        if setup.hidden_size % 128:
-            return f"hidden size {setup.hidden_size}: Mooncake EP needs a multiple of 128"
-        if not 0 < setup.max_tokens_per_rank <= _MAX_TOKENS_PER_RANK:
-            return f"max_tokens_per_rank = {setup.max_tokens_per_rank}: Mooncake EP sizes its buffer for 1..{_MAX_TOKENS_PER_RANK}"
+        if layout.hidden_size % 128:
+            return f"hidden size {layout.hidden_size}: Mooncake EP needs a multiple of 128"
+        if not 0 < layout.max_rows_per_rank <= _MAX_TOKENS_PER_RANK:
+            return f"max_rows_per_rank = {layout.max_rows_per_rank}: Mooncake EP sizes its buffer for 1..{_MAX_TOKENS_PER_RANK}"
         return None
 
     def dispatch(
@@ -60,14 +60,14 @@ class MooncakeDispatcher:
             raise ParallelError(f"mooncake dispatch: x is {x_TH.dtype}, Mooncake EP moves bf16 rows")
         if sum(counts) == 0:  # the whole group agrees (same plan): no collective
             return BackendRows(x_TH, topk_ids_TK, topk_weights_TK, T, topk_ids_TK, topk_weights_TK, backend_handle=None)
-        if max(counts) > self.setup.max_tokens_per_rank:
+        if max(counts) > self.layout.max_rows_per_rank:
             raise ParallelError(
-                f"step {plan.step}: {max(counts)} rows on one rank exceed mooncake max_tokens_per_rank = "
-                f"{self.setup.max_tokens_per_rank}"
+                f"step {plan.step}: {max(counts)} rows on one rank exceed mooncake max_rows_per_rank = "
+                f"{self.layout.max_rows_per_rank}"
             )
         x, ids, weights = pad_idle(x_TH, topk_ids_TK, topk_weights_TK, torch.int64)
         recv_x, recv_count, handle, _, _ = self.buffer.dispatch(
-            x, ids, self.active_ranks, self.setup.max_tokens_per_rank, self.setup.num_experts, _TIMEOUT_US, use_fp8=False
+            x, ids, self.active_ranks, self.layout.max_rows_per_rank, self.layout.num_experts, _TIMEOUT_US, use_fp8=False
         )
         rows, ids_R1, weights_R1 = masked_rows(recv_x, recv_count)
         return BackendRows(rows, ids_R1, weights_R1, T, ids, weights, handle, tuple(recv_x.shape))

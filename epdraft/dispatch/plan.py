@@ -6,10 +6,10 @@ import msgspec
 
 
 class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
-    """Every rank's row count for one step, as gathered by one collective (`epdraft.worker.dp_sync`).
+    """Every rank's row count for one step, as gathered by one collective (`epdraft.runtime.coordinator`).
 
     `ranks` are the global ranks of the sync group in group order; `counts[i]` is the row count of
-    `ranks[i]`. Plain data: `epdraft.worker` builds it, `epdraft.dispatch` only reads it, so every
+    `ranks[i]`. Plain data: `epdraft.runtime` builds it, `epdraft.dispatch` only reads it, so every
     rank takes the same branch (skip, pad length, buffer sizes) from the same numbers.
     `extras[i]` are the caller's extra ints of `ranks[i]`, gathered in the same collective.
     """

@@ -17,7 +17,7 @@ def group_counts(plan: StepPlan | None, group: dist.ProcessGroup, num_tokens: in
     """
     rank = dist.get_rank()
     if plan is None:
-        raise ParallelError(f"rank {rank}: dispatch needs the step's StepPlan (from StepSync.sync), got None")
+        raise ParallelError(f"rank {rank}: dispatch needs the step's StepPlan (from StepCoordinator.sync), got None")
     counts = plan.counts_of(dist.get_process_group_ranks(group))
     mine = counts[dist.get_rank(group)]
     if mine != num_tokens:

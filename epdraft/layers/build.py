@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from epdraft.config.ffn import DraftDenseFFNSpec, DraftMixFFNSpec
+from epdraft.dispatch import Dispatcher
 from epdraft.errors import ConfigError
 from epdraft.layers.mlp import DraftMLP
 from epdraft.layers.moe import DraftMoE
-from epdraft.layers.moe_context import MoeContext
 
 
 def build_ffn(
@@ -18,9 +18,9 @@ def build_ffn(
     *,
     dtype: torch.dtype,
     device: torch.device | str,
-    moe_context: MoeContext | None = None,
+    dispatcher: Dispatcher | None = None,
 ) -> DraftMLP | DraftMoE:
-    """DraftMLP for a dense layer, DraftMoE (placed by `moe_context`, default replicated) for a MoE layer.
+    """DraftMLP for a dense layer, DraftMoE (placed by `dispatcher.layout`, default every expert) for a MoE layer.
 
     Weights are uninitialised until `load_weights`; `check_loaded` says what is still missing.
     Raises ConfigError if `layer_id` is not a layer of `spec` or `hidden_size` disagrees with it.
@@ -40,4 +40,4 @@ def build_ffn(
             dtype=dtype,
             device=device,
         )
-    return DraftMoE(layer, hidden_size, layer_id=layer_id, moe_context=moe_context, dtype=dtype, device=device)
+    return DraftMoE(layer, hidden_size, layer_id=layer_id, dispatcher=dispatcher, dtype=dtype, device=device)

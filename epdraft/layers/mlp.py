@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from epdraft.dispatch.plan import StepPlan
 from epdraft.config.ffn import ActivationSpec
 from epdraft.layers.activations import gated_act
 from epdraft.loading import TensorSource, check_ffn_loaded, load_into
@@ -45,8 +46,9 @@ class DraftMLP(nn.Module):
         self.requires_grad_(False)
         self.loaded_pieces: set = set()
 
-    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        """x_TH [T, H] -> [T, H] in x's dtype; T may be 0."""
+    def forward(self, x_TH: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
+        """x_TH [T, H] -> [T, H] in x's dtype; T may be 0. `plan` is unused (a dense FFN never
+        communicates); it is taken so every FFN of a draft layer is called alike."""
         h_TI = gated_act(self.gate_proj(x_TH), self.up_proj(x_TH), self.activation).to(x_TH.dtype)
         y_TH = self.down_proj(h_TI)
         if self.output_gate is not None:

@@ -8,15 +8,15 @@ import torch
 from torch import nn
 
 from epdraft.config.ffn import DraftMoeFFNSpec
+from epdraft.dispatch import Dispatcher, MoeLayout, ReplicatedDispatcher, StepPlan
 from epdraft.layers.mlp import DraftMLP
-from epdraft.layers.moe_context import MoeContext
 from epdraft.layers.routed_experts import RoutedExperts
 from epdraft.layers.router import Router
 from epdraft.loading import ExpertShard, TensorSource, check_ffn_loaded, load_into
 
 
 class DraftMoE(nn.Module):
-    """One MoE FFN layer, placed by a MoeContext (default: replicated, ep = tp = 1).
+    """One MoE FFN layer: this rank's experts as `dispatcher.layout` places them (default: all of them).
 
     Submodules (canonical loader names): `router` (fp32 `weight [E, H]`, `bias [E]`), `experts`
     (`w13 [e, 2F, H]`, `w2 [e, H, F]`, `b13`, `b2`), `shared` (DraftMLP of width S with an optional
@@ -30,22 +30,25 @@ class DraftMoE(nn.Module):
         hidden_size: int,
         *,
         layer_id: int | None = None,
-        moe_context: MoeContext | None = None,
+        dispatcher: Dispatcher | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.spec = spec
         self.layer_id = layer_id
-        self.ctx = moe_context if moe_context is not None else MoeContext()
+        if dispatcher is None:
+            dispatcher = ReplicatedDispatcher(MoeLayout.local(spec.num_experts, hidden_size, spec.top_k))
+        self.dispatcher = dispatcher
+        layout = dispatcher.layout
         shard = ExpertShard(
             num_experts=spec.num_experts,
             intermediate_size=spec.intermediate_size,
             hidden_size=hidden_size,
-            ep_rank=self.ctx.ep_rank,
-            ep_size=self.ctx.ep_size,
-            tp_rank=self.ctx.tp_rank,
-            tp_size=self.ctx.tp_size,
+            ep_rank=layout.ep_rank,
+            ep_size=layout.ep_size,
+            tp_rank=layout.tp_rank,
+            tp_size=layout.tp_size,
             transposed_interleaved=spec.activation.kind == "swigluoai",
             layer_id=layer_id,
         )
@@ -68,16 +71,19 @@ class DraftMoE(nn.Module):
     def expert_shard(self) -> ExpertShard:
         return self.experts.shard
 
-    def forward(self, x_TH: torch.Tensor, input_ids_T: torch.Tensor | None = None) -> torch.Tensor:
-        """x_TH [T, H] -> [T, H] in x's dtype; input_ids_T [T] int64 the rows' token ids, which a
-        hash-routed layer routes by (routing is local, before dispatch: no layout needs them).
+    def forward(
+        self, x_TH: torch.Tensor, plan: StepPlan | None = None, input_ids_T: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x_TH [T, H] -> [T, H] in x's dtype; `plan` is the step's agreed row counts (any
+        communicating layout needs it, replicated ignores it); input_ids_T [T] int64 the rows' token
+        ids, which a hash-routed layer routes by (routing is local, before dispatch: no layout needs them).
 
         T = 0 still routes, dispatches and combines: every rank of the MoE group enters every
         collective of every layer, or the ranks with tokens hang.
         """
         ids_TK, weights_TK = self.router(x_TH, input_ids_T)
-        dispatcher = self.ctx.dispatcher
-        handle = dispatcher.dispatch(x_TH, ids_TK, weights_TK, self.ctx.current_plan())
+        dispatcher = self.dispatcher
+        handle = dispatcher.dispatch(x_TH, ids_TK, weights_TK, plan)
         y_TH = dispatcher.combine(self.experts(handle.rows_RH, handle.ids_RK, handle.weights_RK), handle)
         if self.shared is not None:
             y_TH = y_TH + self.shared(x_TH)

@@ -14,6 +14,17 @@ from epdraft.loading import ExpertShard
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def reference_fallback_reason(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why experts on `device` in `dtype` run the per-expert reference loop instead of the fused
+    kernels, or None when they do not (on CPU the loop is the only path, so no reason is given)."""
+    if torch.device(device).type == "cuda" and dtype not in _FUSED_DTYPES:
+        return (
+            f"the fused Triton expert kernels take bfloat16/float16 and the draft is {str(dtype).removeprefix('torch.')}: "
+            "the experts run the per-expert reference loop (slow); use --dtype bfloat16"
+        )
+    return None
+
+
 def run_experts(
     rows_RH: torch.Tensor,
     ids_RK: torch.Tensor,

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from epdraft.config.hf import read_config_json
+from epdraft.dispatch import Dispatcher
 from epdraft.errors import ConfigError, LoadError
-from epdraft.layers.moe_context import MoeContext
 from epdraft.loading import TensorSource, open_checkpoint
 from epdraft.models.dflash import DFlashDraft
-from epdraft.models.dspark import DSparkDraft
+from epdraft.models.protocol import DRAFT_FAMILIES, DraftModel
 from epdraft.models.spec import DraftModelSpec
 
 log = logging.getLogger(__name__)
@@ -29,22 +29,29 @@ SKIPPED_PREFIXES = ("embed_tokens.", "lm_head.", "rotary_emb.")
 _FFN_NAME = re.compile(r"layers\.\d+\.(?:mlp|block_sparse_moe|ffn)\.")
 
 
+def read_draft_spec(path: str | Path) -> DraftModelSpec:
+    """The DraftModelSpec of a draft export directory (its config.json); ConfigError naming the file."""
+    return DraftModelSpec.from_config(read_config_json(path), source=str(Path(path) / "config.json"))
+
+
 def load_draft(
     path: str | Path,
     *,
+    spec: DraftModelSpec | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    moe_context: MoeContext | None = None,
-) -> DFlashDraft:
+    dispatcher: Dispatcher | None = None,
+) -> DraftModel:
     """Build the draft described by `path/config.json` and load its weights (this rank's experts only).
 
-    Returns a DSparkDraft for DSpark exports, else a DFlashDraft. Raises ConfigError for a config
-    the runtime cannot run, LoadError for a missing tensor or a wrong shape (naming them).
+    `spec`: the export's spec when the caller has read it already (config.json is then not read
+    again). The family comes from `DRAFT_FAMILIES[spec.kind]`; `dispatcher` places and connects
+    the MoE layers (None: every expert here). Raises ConfigError for a config the runtime cannot
+    run, LoadError for a missing tensor or a wrong shape (naming them).
     """
     path = Path(path)
-    spec = DraftModelSpec.from_config(read_config_json(path), source=str(path / "config.json"))
-    cls = DSparkDraft if spec.kind == "dspark" else DFlashDraft
-    model = cls(spec, dtype=dtype, device=device, moe_context=moe_context)
+    spec = spec if spec is not None else read_draft_spec(path)
+    model = DRAFT_FAMILIES[spec.kind](spec, dtype=dtype, device=device, dispatcher=dispatcher)
     load_draft_weights(model, open_checkpoint(path), origin=str(path))
     return model.eval()
 

@@ -18,11 +18,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from epdraft.dispatch import Dispatcher, StepPlan
 from epdraft.errors import ConfigError
 from epdraft.layers.build import build_ffn
 from epdraft.layers.mlp import DraftMLP
 from epdraft.layers.moe import DraftMoE
-from epdraft.layers.moe_context import MoeContext
 from epdraft.models.attention import DFlashAttention, RMSNorm
 from epdraft.models.cache import ContextScratch, DraftCache, context_mask, padded_context
 from epdraft.models.spec import DraftModelSpec
@@ -50,7 +50,7 @@ class DFlashLayer(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device | str,
-        moe_context: MoeContext | None,
+        dispatcher: Dispatcher | None,
     ):
         super().__init__()
         H = spec.hidden_size
@@ -67,7 +67,7 @@ class DFlashLayer(nn.Module):
             **kw,
         )
         self.post_attention_layernorm = RMSNorm(H, spec.rms_norm_eps, **kw)
-        self.mlp: DraftMLP | DraftMoE = build_ffn(spec.ffn, layer_id, H, dtype=dtype, device=device, moe_context=moe_context)
+        self.mlp: DraftMLP | DraftMoE = build_ffn(spec.ffn, layer_id, H, dtype=dtype, device=device, dispatcher=dispatcher)
         self.window = spec.window(layer_id)
         self.token_routed = isinstance(self.mlp, DraftMoE) and self.mlp.spec.router.hash_routed
 
@@ -78,9 +78,11 @@ class DFlashLayer(nn.Module):
         k_ctx_NgLD: torch.Tensor,
         v_ctx_NgLD: torch.Tensor,
         allowed_NQS: torch.Tensor | None = None,
+        plan: StepPlan | None = None,
         input_ids_NQ: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [N, Q, H] -> [N, Q, H]; attention is skipped for N = 0, the FFN never is.
+        """x [N, Q, H] -> [N, Q, H]; attention is skipped for N = 0, the FFN never is (it gets the
+        step's `plan`, which a communicating MoE layer needs).
 
         input_ids_NQ: the rows' token ids, which a hash-routed MoE layer routes by (else unused).
         """
@@ -94,9 +96,9 @@ class DFlashLayer(nn.Module):
         if self.token_routed:
             if input_ids_NQ is None:
                 raise ConfigError(f"layer {self.mlp.layer_id} is hash-routed: it needs the rows' token ids")
-            y_TH = self.mlp(h_TH, input_ids_NQ.reshape(N * Q))
+            y_TH = self.mlp(h_TH, plan, input_ids_NQ.reshape(N * Q))
         else:
-            y_TH = self.mlp(h_TH)
+            y_TH = self.mlp(h_TH, plan)
         return x_NQH + y_TH.view(N, Q, H)
 
 
@@ -112,7 +114,7 @@ class DFlashDraft(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        moe_context: MoeContext | None = None,
+        dispatcher: Dispatcher | None = None,
     ):
         super().__init__()
         self.spec = spec
@@ -120,13 +122,18 @@ class DFlashDraft(nn.Module):
         self.fc = nn.Linear(spec.num_target_features * H, H, bias=False, dtype=dtype, device=device)
         self.hidden_norm = RMSNorm(H, spec.rms_norm_eps, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DFlashLayer(spec, i, dtype=dtype, device=device, moe_context=moe_context) for i in range(spec.num_layers)
+            DFlashLayer(spec, i, dtype=dtype, device=device, dispatcher=dispatcher) for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(H, spec.rms_norm_eps, dtype=dtype, device=device)
 
     @property
     def block_size(self) -> int:
         return self.spec.block_size
+
+    @property
+    def device(self) -> torch.device:
+        """Where the draft's weights (and so its inputs) live."""
+        return self.fc.weight.device
 
     @property
     def num_drafts(self) -> int:
@@ -190,10 +197,12 @@ class DFlashDraft(nn.Module):
         for layer in self.layers:
             k, v = layer.self_attn.context_kv(target_hidden_NLH, ctx_positions_NL)
             mask = allowed_NQS if layer.window is None else sliding_allowed_NQS
-            x = layer(x, positions_NQ, k, v, mask, input_ids_NQ)
+            x = layer(x, positions_NQ, k, v, mask, input_ids_NQ=input_ids_NQ)
         return self.norm(x)
 
-    def block_hidden(self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads) -> torch.Tensor:
+    def block_hidden(
+        self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None = None
+    ) -> torch.Tensor:
         """Final-normed hidden [N, B, H] of the blocks [anchor, MASK x (B-1)] over each request's context."""
         N, B = len(caches), self.spec.block_size
         device = self.fc.weight.device
@@ -210,7 +219,7 @@ class DFlashDraft(nn.Module):
             if w not in masks:
                 masks[w], scratches[w] = context_mask(caches, B, device, w), ContextScratch()
             k, v = padded_context(caches, i, x, attn.num_kv_heads, attn.head_dim, scratches[w])
-            x = layer(x, positions_NB, k, v, masks[w], ids_NB)
+            x = layer(x, positions_NB, k, v, masks[w], plan, ids_NB)
         return self.norm(x)
 
     def draft_rows(self, hidden_NBH: torch.Tensor) -> torch.Tensor:
@@ -222,11 +231,14 @@ class DFlashDraft(nn.Module):
         return heads.lm_head(hidden_NkH).argmax(dim=-1)
 
     @torch.no_grad()
-    def propose(self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads) -> torch.Tensor:
+    def propose(
+        self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None = None
+    ) -> torch.Tensor:
         """`num_drafts` greedy drafts [N, num_drafts] int64 per request; N may be 0 (every FFN still runs once).
 
         caches[i] holds request i's context (its `length` is the anchor's position); anchors_N [N]
-        are the last verified tokens (the verify's bonus, or prefill's first token).
+        are the last verified tokens (the verify's bonus, or prefill's first token); `plan` is the
+        step's agreed row counts, passed to every MoE layer (None: a single process).
         """
-        hidden = self.block_hidden(caches, anchors_N, heads)
+        hidden = self.block_hidden(caches, anchors_N, heads, plan)
         return self.readout(self.draft_rows(hidden), anchors_N, heads)

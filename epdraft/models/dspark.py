@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epdraft.dispatch import Dispatcher, StepPlan
 from epdraft.errors import ConfigError
-from epdraft.layers.moe_context import MoeContext
 from epdraft.models.cache import DraftCache
 from epdraft.models.dflash import DFlashDraft, TargetHeads
 from epdraft.models.spec import DraftModelSpec
@@ -93,9 +93,9 @@ class DSparkDraft(DFlashDraft):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        moe_context: MoeContext | None = None,
+        dispatcher: Dispatcher | None = None,
     ):
-        super().__init__(spec, dtype=dtype, device=device, moe_context=moe_context)
+        super().__init__(spec, dtype=dtype, device=device, dispatcher=dispatcher)
         self.markov_head = MarkovHead(
             spec.markov_head_type, spec.vocab_size, spec.markov_rank, spec.hidden_size, dtype=dtype, device=device
         )
@@ -122,11 +122,11 @@ class DSparkDraft(DFlashDraft):
 
     @torch.no_grad()
     def propose_scored(
-        self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads
+        self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(drafts [N, num_drafts] int64, confidence [N, num_drafts] fp32): `propose` plus each draft's score,
         read from the same hidden row as the draft with the token before it (the anchor for the first)."""
-        rows = self.draft_rows(self.block_hidden(caches, anchors_N, heads))
+        rows = self.draft_rows(self.block_hidden(caches, anchors_N, heads, plan))
         drafts = self.readout(rows, anchors_N, heads)
         prev = torch.cat([anchors_N.to(drafts.device).unsqueeze(1), drafts[:, :-1]], dim=1)
         return drafts, self.confidence(rows, prev)

@@ -24,12 +24,11 @@ import torch.distributed as dist
 
 from epdraft.config.parallel import ParallelConfig, load_parallel_config
 from epdraft.errors import EpdraftError, ParallelError
-from epdraft.worker.disagg_job import run_disagg_job
-from epdraft.worker.groups import Groups, layout_table, resolve_backend
-from epdraft.worker.health import check_all_reduce, health_check
+from epdraft.parallel.groups import Groups, layout_table, resolve_backend
+from epdraft.parallel.health import check_all_reduce, health_check
+from epdraft.parallel.log import info_rank0, setup_logging
+from epdraft.parallel.world import join_world, leave_world
 from epdraft.worker.job import RunJob, run_job
-from epdraft.worker.log import info_rank0, setup_logging
-from epdraft.worker.world import join_world, leave_world
 
 log = logging.getLogger("epdraft.worker")
 
@@ -49,8 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     job.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     job.add_argument("--no-lossless-check", action="store_true", help="skip the target-only greedy reference decode")
     job.add_argument("--json", dest="json_out", help="rank 0 writes the summary here as JSON")
-    job.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                     help="target and draft weights' dtype (default float32)")
+    job.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                     help="target and draft weights' dtype (default: bfloat16 on CUDA, float32 on CPU)")
     args = parser.parse_args(argv)
     if args.draft and not (args.target and args.prompts):
         parser.error("--draft needs --target and --prompts")
@@ -95,8 +94,6 @@ def run(pc: ParallelConfig, config_path: str, job: RunJob | None = None) -> bool
     info_rank0(log, None, "health check passed on %d ranks", dist.get_world_size())
     if job is None:
         return True
-    if pc.placement.mode == "disaggregated":
-        return run_disagg_job(pc, config_path, groups, job)
     return run_job(pc, config_path, groups, job)
 
 

@@ -1,9 +1,8 @@
-"""The serving loops of disaggregated placement: target ranks verify, draft ranks draft, apart.
+"""Disaggregated placement's two sides: target ranks verify, draft ranks draft, apart.
 
-A target rank prefills its requests, then per step sends its paired draft rank the step's
-`TargetStep` + payload (new requests' prompt features, the previous verify's committed rows,
-accept lengths and bonus tokens), waits for the drafts and verifies them. It stops after sending
-`done` once none of its requests is running.
+A target rank runs the common serving loop (`epdraft.worker.serve`) with a `RemoteDrafter`: per
+step it sends its paired draft rank the step's `TargetStep` + payload, waits for the drafts and
+verifies them. It stops after sending `done` once none of its requests is running.
 
 A draft rank serves every target rank paired with it. Every step, every draft rank calls
 `DraftRuntime.propose` (an idle one with no requests), so the draft group's StepSync and MoE
@@ -14,26 +13,23 @@ no draft rank has rows, which happens exactly when every target rank has sent `d
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import time
+from collections.abc import Callable, Mapping
 
 import torch
 
 from epdraft.errors import ParallelError, RequestError
-from epdraft.runtime import DraftRuntime
-from epdraft.target.base import Target, VerifyResult
-from epdraft.worker.generate import RankReport, RequestOutcome
+from epdraft.runtime import DraftRuntime, PhaseTimers
+from epdraft.target.base import VerifyResult
 from epdraft.worker.pairing import DraftStep, PeerLink, TargetStep
-from epdraft.worker.timing import PhaseTimers
+from epdraft.worker.serve import Drafted
 from epdraft.worker.transfer import BufferSpec, StepPayload
 from epdraft.worker.transfer.base import FEATURE_DTYPES
 
 log = logging.getLogger(__name__)
 
-# Fault injection for the failure test: "RANK:STEP" makes global rank RANK SIGKILL itself as its
-# draft loop enters step STEP, the way a crashed node disappears. Unset (the default): no effect.
-KILL_AT_STEP_ENV = "EPDRAFT_TEST_KILL_DRAFT_AT"
+# The test seam for faults: each hook is called with (global rank, step) as a draft rank's loop
+# enters a step. Empty in every real run; tests/e2e/faults installs one that kills a rank.
+DRAFT_STEP_HOOKS: list[Callable[[int, int], None]] = []
 
 
 def target_buffer_spec(prompt_lens: list[int], block_size: int, feature_dim: int, dtype: torch.dtype) -> BufferSpec:
@@ -47,38 +43,49 @@ def target_buffer_spec(prompt_lens: list[int], block_size: int, feature_dim: int
     )
 
 
-def serve_target_rank(
-    target: Target,
-    link: PeerLink,
-    draft_rank: int,
-    prefilled: dict[int, tuple[int, torch.Tensor]],
-    outcomes: dict[int, RequestOutcome],
-    *,
-    rank: int,
-    max_new_tokens: int,
-    timers: PhaseTimers,
-) -> RankReport:
-    """Generate `max_new_tokens` per request; `prefilled[rid] = (first token, prompt features [L, K*H])`.
+class RemoteDrafter:
+    """The target rank's `Drafter` under disaggregated placement: drafts come from `draft_rank`.
 
-    `outcomes` holds every request of this rank (refused ones carry their error already).
+    Per step it sends the paired draft rank the step's TargetStep + payload (new requests' prompt
+    features, the previous verify's committed rows, accept lengths and bonus tokens) and waits for
+    the drafts. With no running request left it sends `done` and tells the loop to stop. The
+    transport is registered at the first step, sized for every prompt admitted by then.
     """
-    tokens = {rid: [first] for rid, (first, _) in prefilled.items()}
-    accepts: dict[int, list[int]] = {rid: [] for rid in prefilled}
-    anchor = {rid: first for rid, (first, _) in prefilled.items()}
-    new = list(prefilled)
-    last: VerifyResult | None = None
-    released: list[int] = []
-    step, start = 0, time.perf_counter()
-    while True:
-        running = [rid for rid in tokens if len(tokens[rid]) < max_new_tokens]
-        if not running:
+
+    def __init__(
+        self, link: PeerLink, draft_rank: int, feature_dim: int, feature_dtype: torch.dtype, timers: PhaseTimers
+    ):
+        self.link = link
+        self.draft_rank = draft_rank
+        self.feature_dim = feature_dim
+        self.feature_dtype = feature_dtype
+        self.timers = timers
+        self._new: dict[int, torch.Tensor] = {}
+        self._last: VerifyResult | None = None
+        self._released: list[int] = []
+        self._registered = False
+
+    def admit(self, request_id: int, prompt_features: torch.Tensor) -> None:
+        self._new[request_id] = prompt_features
+
+    def _register(self) -> None:
+        lens = [len(f) for f in self._new.values()]
+        spec = target_buffer_spec(lens, self.link.block_size, self.feature_dim, self.feature_dtype)
+        self.link.register_as_target(self.draft_rank, spec)
+        self._registered = True
+
+    def propose(self, step: int, anchors: Mapping[int, int], tokens_so_far: int) -> Drafted:
+        if not self._registered:
+            self._register()
+        link, draft_rank = self.link, self.draft_rank
+        if not anchors:
             empty = link.transport.send_buffer(draft_rank)[:0]
-            msg = TargetStep(step=step, request_ids=[], new_rows=[], released=released, done=True)
-            payload = StepPayload(step=step, features_RD=empty, accept_lens=[], bonus_tokens=[])
-            link.send_target_step(draft_rank, msg, payload)
-            break
-        committed = [i for i, rid in enumerate(last.request_ids) if rid in running] if last is not None else []
-        ids = [last.request_ids[i] for i in committed] + new
+            msg = TargetStep(step=step, request_ids=[], new_rows=[], released=self._released, done=True)
+            link.send_target_step(draft_rank, msg, StepPayload(step=step, features_RD=empty, accept_lens=[], bonus_tokens=[]))
+            return Drafted({}, stop=True)
+        last = self._last
+        committed = [i for i, rid in enumerate(last.request_ids) if rid in anchors] if last is not None else []
+        ids = [last.request_ids[i] for i in committed] + list(self._new)
         buf_RD = link.transport.send_buffer(draft_rank)
         rows, new_rows, accept_lens = 0, [], []
         for i in committed:
@@ -87,52 +94,38 @@ def serve_target_rank(
             rows += len(part)
             new_rows.append(0)
             accept_lens.append(int(last.accept_lens[i]))
-        for rid in new:
-            part = prefilled[rid][1]
+        for part in self._new.values():
             buf_RD[rows : rows + len(part)].copy_(part)
             rows += len(part)
             new_rows.append(len(part))
             accept_lens.append(0)
         payload = StepPayload(
-            step=step, features_RD=buf_RD[:rows], accept_lens=accept_lens, bonus_tokens=[anchor[r] for r in ids]
+            step=step, features_RD=buf_RD[:rows], accept_lens=accept_lens, bonus_tokens=[anchors[r] for r in ids]
         )
-        msg = TargetStep(step=step, request_ids=ids, new_rows=new_rows, released=released)
-        with timers.phase("transfer"):
+        msg = TargetStep(step=step, request_ids=ids, new_rows=new_rows, released=self._released)
+        with self.timers.phase("transfer"):
             link.send_target_step(draft_rank, msg, payload)
             drafts_NB = link.recv_draft_step(draft_rank, step, ids)
-        blocks_NB = torch.cat([torch.tensor([[anchor[r]] for r in ids]), drafts_NB], dim=1)
-        with timers.phase("verify"):
-            last = target.verify(ids, blocks_NB)
-        new, released = [], []
-        for i, rid in enumerate(ids):
-            tokens[rid] += last.emitted(i)
-            accepts[rid].append(int(last.accept_lens[i]))
-            anchor[rid] = int(last.bonus[i])
-            if len(tokens[rid]) >= max_new_tokens:
-                target.release(rid)
-                released.append(rid)
-        step += 1
-    loop_seconds = time.perf_counter() - start
-    for rid in prefilled:
-        outcomes[rid].tokens = tokens[rid][:max_new_tokens]
-        outcomes[rid].accept_lens = accepts[rid]
-    return RankReport(
-        rank=rank, steps=step, loop_seconds=loop_seconds, phases=timers.as_dict(), requests=list(outcomes.values())
-    )
+        self._new, self._released = {}, []
+        return Drafted({rid: drafts_NB[i] for i, rid in enumerate(ids)})
+
+    def commit(self, result: VerifyResult) -> None:
+        self._last = result
+
+    def release(self, request_id: int) -> None:
+        self._released.append(request_id)
 
 
 def serve_draft_rank(runtime: DraftRuntime, link: PeerLink, targets: tuple[int, ...], *, rank: int) -> int:
     """Draft for every request of the paired `targets` until no draft rank has rows; returns the step count."""
-    kill_at = _kill_step(rank)
     live = list(targets)
     owner: dict[int, int] = {}  # request id -> target rank
     last_anchor: dict[int, int] = {}
     last_drafts: dict[int, torch.Tensor] = {}
     step = 0
     while True:
-        if step == kill_at:
-            log.warning("%s: killing this rank at step %d", KILL_AT_STEP_ENV, step)
-            os.kill(os.getpid(), signal.SIGKILL)
+        for hook in DRAFT_STEP_HOOKS:
+            hook(rank, step)
         anchors: dict[int, int] = {}
         asked: dict[int, list[int]] = {}
         for t in list(live):
@@ -214,14 +207,3 @@ def _apply(
             features=torch.cat([f for _, _, f in commit]),
         )
     )
-
-
-def _kill_step(rank: int) -> int | None:
-    """The step at which `KILL_AT_STEP_ENV` asks this rank to die, or None."""
-    value = os.environ.get(KILL_AT_STEP_ENV, "")
-    if not value:
-        return None
-    who, _, at = value.partition(":")
-    if not (who.isdigit() and at.isdigit()):
-        raise ParallelError(f"{KILL_AT_STEP_ENV} = {value!r}: expected RANK:STEP, e.g. 3:5")
-    return int(at) if int(who) == rank else None

@@ -13,23 +13,23 @@ import datetime
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from epdraft.config.parallel import ParallelConfig
-from epdraft.errors import RequestError
-from epdraft.launch import is_loopback
-from epdraft.models.spec import check_against_target
-from epdraft.runtime import DraftRuntime, draft_spec
+from epdraft.models.spec import DraftModelSpec, check_against_target
+from epdraft.parallel.address import is_loopback
+from epdraft.parallel.groups import Groups, resolve_backend
+from epdraft.runtime import DraftRuntime, PhaseTimers
 from epdraft.target.heads import HFHeads
 from epdraft.target.hf import HFTarget
-from epdraft.worker.disagg import serve_draft_rank, serve_target_rank, target_buffer_spec
-from epdraft.worker.generate import RankReport, RequestOutcome, assign_prompts
-from epdraft.worker.groups import Groups, resolve_backend
-from epdraft.worker.job import RunJob, attach_references, read_prompts, report_to_root
+from epdraft.worker.disagg import RemoteDrafter, serve_draft_rank
+from epdraft.worker.job import RankSetup, RunJob
 from epdraft.worker.pairing import PeerLink, paired_draft_rank, paired_target_ranks
-from epdraft.worker.timing import PhaseTimers
+from epdraft.worker.serve import assign_prompts, serve_requests
+from epdraft.worker.summary import RankReport
 from epdraft.worker.transfer import make_transport
 from epdraft.worker.transfer.control import ControlChannel
 
@@ -39,49 +39,45 @@ log = logging.getLogger(__name__)
 _DRAFT_PHASES = ("sync", "draft_context", "draft_propose", "moe_total", "moe_dispatch", "moe_combine")
 
 
-def run_disagg_job(pc: ParallelConfig, config_path: str, groups: Groups | None, job: RunJob) -> bool:
-    """Serve the job with the target on `pc.target_ranks` and the draft on `pc.draft_ranks`.
+def run_disaggregated(
+    pc: ParallelConfig, groups: Groups | None, job: RunJob, setup: RankSetup
+) -> tuple[RankReport, HFTarget | None, Callable[[list[RankReport]], list[RankReport]]]:
+    """Serve this rank's side; returns its report, its target (None on a draft rank) and how rank 0
+    merges the reports (the target ranks', with the draft ranks' phases and layout folded in).
 
-    `groups` is None exactly on target ranks. Returns False when the lossless check failed (rank 0).
-    Raises ParallelError naming the peer rank that stopped answering, StepMismatch on a step-id mismatch.
+    `groups` is None exactly on target ranks. Raises ParallelError naming the peer rank that
+    stopped answering, StepMismatch on a step-id mismatch.
     """
     rank = dist.get_rank()
-    device_type, backend = resolve_backend(pc)
-    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    _, backend = resolve_backend(pc)
     # Control messages need tags and CPU tensors: the world group when it is gloo, else a gloo copy of it.
     control = dist.group.WORLD
     if backend != "gloo":
         timeout = datetime.timedelta(seconds=pc.cluster.timeout_s)
         control = dist.new_group(backend="gloo", timeout=timeout, group_desc="epdraft_pairs")
     transfer_group = control if pc.placement.transfer == "mooncake" else dist.group.WORLD
-    transport = make_transport(pc.placement.transfer, transfer_group, device=device, hostname=_this_host())
-    spec = draft_spec(job.draft)
+    transport = make_transport(pc.placement.transfer, transfer_group, device=setup.device, hostname=_this_host())
+    spec = setup.spec
     link = PeerLink(ControlChannel(control, torch.device("cpu"), use_tags=True), transport,
                     role="draft" if groups is not None else "target", block_size=spec.num_drafts + 1)  # fmt: skip
-    dtype = getattr(torch, job.dtype)
-    timers = PhaseTimers(device)
-    prompts = read_prompts(job.prompts, job.max_prompts, tokenizer_dir=job.target)
+    timers = PhaseTimers(setup.device)
     target: HFTarget | None = None
     try:
         if groups is not None:
-            heads = HFHeads.from_pretrained(job.target, dtype=dtype, device=device)
+            heads = HFHeads.from_pretrained(job.target, dtype=setup.dtype, device=setup.device)
             check_against_target(
                 spec, hidden_size=heads.hidden_size, num_layers=heads.num_layers, vocab_size=heads.vocab_size
             )
-            report = _serve_draft(pc, job, groups, heads, link, timers, rank)
+            report = _serve_draft(pc, job, groups, heads, link, timers, rank, spec)
         else:
-            target = HFTarget.from_pretrained(job.target, spec.target_layer_ids, dtype=dtype, device=device)
+            target = HFTarget.from_pretrained(job.target, spec.target_layer_ids, dtype=setup.dtype, device=setup.device)
             check_against_target(
                 spec, hidden_size=target.hidden_size, num_layers=target.num_layers, vocab_size=target.vocab_size
             )
-            report = _serve_target(pc, target, link, prompts, timers, rank, job)
+            report = _serve_target(pc, target, link, setup.prompts, timers, rank, job)
     finally:
         link.close()
-    if target is not None and job.check_lossless:
-        attach_references(report, target, prompts, job.max_new_tokens)
-    return report_to_root(
-        report, job, pc, config_path, group=None, root=0, select=lambda rs: _target_reports(pc, rs)
-    )
+    return report, target, lambda reports: _target_reports(pc, reports)
 
 
 def _serve_target(
@@ -97,51 +93,48 @@ def _serve_target(
     mine = assign_prompts([len(p) for p in prompts], job.max_new_tokens, pc.target_world_size)[dp_rank]
     draft_rank = paired_draft_rank(pc, rank)
     log.info("target DP rank %d: %d of %d prompts, drafts from rank %d", dp_rank, len(mine), len(prompts), draft_rank)
-    outcomes: dict[int, RequestOutcome] = {}
-    prefilled: dict[int, tuple[int, torch.Tensor]] = {}
-    for rid in mine:
-        outcomes[rid] = RequestOutcome(request_id=rid, rank=rank)
-        try:
-            with timers.phase("prefill"):
-                pre = target.prefill([rid], [prompts[rid]])
-        except RequestError as e:
-            log.warning("%s", e)
-            outcomes[rid].error = str(e)
-            continue
-        prefilled[rid] = (int(pre.first_tokens[0]), pre.features)
     feature_dim = len(target.feature_layer_ids) * target.hidden_size
-    dtype = next(iter(prefilled.values()))[1].dtype if prefilled else target.model.dtype
-    buffer = target_buffer_spec([len(f) for _, f in prefilled.values()], link.block_size, feature_dim, dtype)
-    link.register_as_target(draft_rank, buffer)
-    return serve_target_rank(
-        target, link, draft_rank, prefilled, outcomes, rank=rank, max_new_tokens=job.max_new_tokens, timers=timers
+    drafter = RemoteDrafter(link, draft_rank, feature_dim, target.model.dtype, timers)
+    return serve_requests(
+        target, drafter, {i: prompts[i] for i in mine}, rank=rank, max_new_tokens=job.max_new_tokens, timers=timers
     )
 
 
 def _serve_draft(
-    pc: ParallelConfig, job: RunJob, groups: Groups, heads: HFHeads, link: PeerLink, timers: PhaseTimers, rank: int
+    pc: ParallelConfig,
+    job: RunJob,
+    groups: Groups,
+    heads: HFHeads,
+    link: PeerLink,
+    timers: PhaseTimers,
+    rank: int,
+    spec: DraftModelSpec,
 ) -> RankReport:
     targets = paired_target_ranks(pc, rank)
     log.info("draft DP rank %d serves target ranks %s", groups.dp_rank, list(targets))
     runtime = DraftRuntime.from_config(
-        pc, job.draft, heads, groups=groups, dtype=heads.dtype, device=heads.device, timers=timers
+        pc, job.draft, heads, groups=groups, spec=spec, dtype=heads.dtype, device=heads.device, timers=timers
     )
     try:
         link.register_as_draft(targets)
         steps = serve_draft_rank(runtime, link, targets, rank=rank)
     finally:
         runtime.close()
-    return RankReport(rank=rank, steps=steps, loop_seconds=0.0, phases=timers.as_dict(), requests=[])
+    return RankReport(
+        rank=rank, steps=steps, loop_seconds=0.0, phases=timers.as_dict(), requests=[], layout=runtime.layout.label
+    )
 
 
 def _target_reports(pc: ParallelConfig, reports: list[RankReport]) -> list[RankReport]:
     """The target ranks' reports, each with the draft ranks' mean draft-side phase times folded in."""
     drafts = [r for r in reports if r.rank in pc.draft_ranks]
     mean = {k: sum(r.phases.get(k, 0.0) for r in drafts) / max(len(drafts), 1) for k in _DRAFT_PHASES}
+    layout = next((r.layout for r in drafts if r.layout), "")
     out = []
     for r in reports:
         if r.rank in pc.target_ranks:
             r.phases = {**r.phases, **mean}
+            r.layout = layout
             out.append(r)
     return out
 

@@ -1,8 +1,14 @@
-"""The `run` job of a worker rank: load the target and the draft, serve this rank's prompts, report to rank 0."""
+"""The `run` job of a worker rank: load what this rank holds, serve its prompts, report to rank 0.
+
+One job for both placements. The draft's config.json is read once per rank (`read_draft_spec`)
+and the MoE layout resolved once (`DraftRuntime.from_config`); everything below reads those.
+Colocated: every rank loads the target and a DraftRuntime and serves its share of the prompts
+through `LocalDrafter`. Disaggregated: see `epdraft.worker.disagg_job`.
+"""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Callable, Literal
@@ -12,20 +18,24 @@ import torch
 import torch.distributed as dist
 
 from epdraft.config.parallel import ParallelConfig
-from epdraft.errors import ConfigError
-from epdraft.models.spec import check_against_target
-from epdraft.runtime import DraftRuntime, draft_spec, resolve_layout
+from epdraft.models.checkpoint import read_draft_spec
+from epdraft.models.spec import DraftModelSpec, check_against_target
+from epdraft.parallel.groups import Groups, resolve_backend
+from epdraft.runtime import DraftRuntime, PhaseTimers
 from epdraft.target.hf import HFTarget
-from epdraft.worker.generate import RankReport, assign_prompts, greedy_reference, serve_rank
-from epdraft.worker.groups import Groups
-from epdraft.worker.summary import format_summary, summarize
-from epdraft.worker.timing import PhaseTimers
+from epdraft.worker.prompts import read_prompts
+from epdraft.worker.serve import LocalDrafter, assign_prompts, greedy_reference, serve_requests
+from epdraft.worker.summary import RankReport, format_summary, summarize
 
 log = logging.getLogger(__name__)
 
 
 class RunJob(msgspec.Struct, frozen=True, kw_only=True):
-    """What `epdraft run` asks every rank to do."""
+    """What `epdraft run` asks every rank to do.
+
+    dtype: the target's and draft's weights; None = bfloat16 on CUDA (the fused expert kernels'
+    dtype), float32 on CPU.
+    """
 
     draft: str
     target: str
@@ -34,108 +44,92 @@ class RunJob(msgspec.Struct, frozen=True, kw_only=True):
     max_prompts: int = 0
     check_lossless: bool = True
     json_out: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
 
 
-def read_prompts(path: str | Path, limit: int = 0, *, tokenizer_dir: str | Path | None = None) -> list[list[int]]:
-    """Token ids per prompt from a JSON-lines file: each line {"input_ids": [...]} or {"text": "..."}.
+@dataclasses.dataclass(frozen=True)
+class RankSetup:
+    """What every rank of a run derives once, before loading anything."""
 
-    `text` is tokenized with the tokenizer saved in `tokenizer_dir` (the target's directory); a line
-    that is not JSON, has neither key, or has text when there is no tokenizer is a ConfigError
-    naming the file and line. Ids are checked against the target's vocabulary per request later,
-    so one bad prompt does not stop the others.
-    """
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise ConfigError(f"--prompts {path}: cannot read: {e.strerror}") from e
-    tokenizer = None
-    prompts = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{n}: not JSON ({e.msg})") from e
-        if not isinstance(record, dict) or not ("input_ids" in record or "text" in record):
-            raise ConfigError(f"{path}:{n}: expected a JSON object with 'input_ids' (a list of ids) or 'text'")
-        if "input_ids" in record:
-            ids = record["input_ids"]
-            if not isinstance(ids, list):
-                raise ConfigError(f"{path}:{n}: input_ids must be a list of token ids, got {type(ids).__name__}")
-        else:
-            if tokenizer is None:
-                tokenizer = _load_tokenizer(tokenizer_dir, f"{path}:{n}")
-            ids = tokenizer(record["text"], add_special_tokens=False)["input_ids"]
-        prompts.append(ids)
-    return prompts[:limit] if limit else prompts
+    spec: DraftModelSpec
+    prompts: list[list[int]]
+    device: torch.device
+    dtype: torch.dtype
 
 
-def _load_tokenizer(directory: str | Path | None, where: str):
-    """The HF tokenizer saved with the target; ConfigError naming the prompt line when there is none."""
-    from transformers import AutoTokenizer
+def rank_setup(pc: ParallelConfig, job: RunJob) -> RankSetup:
+    """Read the draft's spec (its config.json, once) and the prompts; resolve device and dtype."""
+    device_type, _ = resolve_backend(pc)
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    dtype_name = job.dtype or ("bfloat16" if device_type == "cuda" else "float32")
+    return RankSetup(
+        spec=read_draft_spec(job.draft),
+        prompts=read_prompts(job.prompts, job.max_prompts, tokenizer_dir=job.target),
+        device=device,
+        dtype=getattr(torch, dtype_name),
+    )
 
-    try:
-        if directory is None:
-            raise OSError("no target directory")
-        return AutoTokenizer.from_pretrained(str(directory))
-    except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"{where}: has 'text' but no tokenizer could be loaded from {directory} ({e}); give 'input_ids' instead"
-        ) from e
 
+def run_job(pc: ParallelConfig, config_path: str, groups: Groups | None, job: RunJob) -> bool:
+    """Serve the job's prompts; rank 0 prints (and writes) the summary.
 
-def run_job(pc: ParallelConfig, config_path: str, groups: Groups, job: RunJob) -> bool:
-    """Serve the job's prompts over the draft DP ranks; rank 0 prints (and writes) the summary.
-
+    `groups` is None exactly on a rank that holds no draft (a disaggregated target rank).
     Returns False when the lossless check failed (rank 0), True otherwise.
     """
-    spec = draft_spec(job.draft)
-    device = "cuda" if pc.cluster.device == "cuda" or (pc.cluster.device == "auto" and torch.cuda.is_available()) else "cpu"
-    if device == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    dtype = getattr(torch, job.dtype)
-    target = HFTarget.from_pretrained(job.target, spec.target_layer_ids, dtype=dtype, device=device)
+    setup = rank_setup(pc, job)
+    if pc.placement.mode == "disaggregated":
+        from epdraft.worker.disagg_job import run_disaggregated
+
+        report, target, select = run_disaggregated(pc, groups, job, setup)
+        return finish(report, target, job, pc, config_path, setup.prompts, group=None, root=0, select=select)
+    assert groups is not None, "a colocated rank always holds the draft"
+    spec = setup.spec
+    target = HFTarget.from_pretrained(job.target, spec.target_layer_ids, dtype=setup.dtype, device=setup.device)
     check_against_target(
         spec, hidden_size=target.hidden_size, num_layers=target.num_layers, vocab_size=target.vocab_size
     )
-    timers = PhaseTimers(device)
+    timers = PhaseTimers(setup.device)
     runtime = DraftRuntime.from_config(
-        pc, job.draft, target, groups=groups, dtype=dtype, device=device, num_extras=2, timers=timers
-    )
+        pc, job.draft, target, groups=groups, spec=spec, dtype=setup.dtype, device=setup.device, num_extras=2,
+        timers=timers,
+    )  # fmt: skip
     try:
-        prompts = read_prompts(job.prompts, job.max_prompts, tokenizer_dir=job.target)
+        prompts = setup.prompts
         mine = assign_prompts([len(p) for p in prompts], job.max_new_tokens, groups.dp_size)[groups.dp_rank]
         log.info("%d of %d prompts on this rank", len(mine), len(prompts))
-        report = serve_rank(
-            runtime,
+        report = serve_requests(
             target,
+            LocalDrafter(runtime),
             {i: prompts[i] for i in mine},
             rank=dist.get_rank(),
             max_new_tokens=job.max_new_tokens,
             timers=timers,
         )
+        report.layout = runtime.layout.label
     finally:
         runtime.close()
-    if job.check_lossless:
-        attach_references(report, target, prompts, job.max_new_tokens)
     root = dist.get_process_group_ranks(groups.cpu)[0]
-    return report_to_root(report, job, pc, config_path, group=groups.cpu, root=root)
+    return finish(report, target, job, pc, config_path, setup.prompts, group=groups.cpu, root=root)
 
 
-def layout_label(pc: ParallelConfig, draft_path: str) -> str:
-    """The MoE layout as it runs (`auto` resolved), with the padding for gather: what the summary names."""
-    layout, padding, _ = resolve_layout(pc, draft_path)
-    label = f"{layout} ({padding})" if layout == "gather" else layout
-    return f"{label}, chosen by auto" if pc.draft.moe_layout == "auto" else label
-
-
-def attach_references(report: RankReport, target: HFTarget, prompts: list[list[int]], max_new_tokens: int) -> None:
-    """Give each served request the target's own greedy decode, which its tokens must equal."""
-    for o in report.requests:
-        if o.error is None:
-            o.reference_tokens = greedy_reference(target.model, prompts[o.request_id], max_new_tokens)
+def finish(
+    report: RankReport,
+    target: HFTarget | None,
+    job: RunJob,
+    pc: ParallelConfig,
+    config_path: str,
+    prompts: list[list[int]],
+    *,
+    group: dist.ProcessGroup | None,
+    root: int,
+    select: Callable[[list[RankReport]], list[RankReport]] = lambda reports: reports,
+) -> bool:
+    """Attach the target's own greedy decodes (on ranks holding the target), then report to `root`."""
+    if target is not None and job.check_lossless:
+        for o in report.requests:
+            if o.error is None:
+                o.reference_tokens = greedy_reference(target.model, prompts[o.request_id], job.max_new_tokens)
+    return report_to_root(report, job, pc, config_path, group=group, root=root, select=select)
 
 
 def report_to_root(
@@ -146,7 +140,7 @@ def report_to_root(
     *,
     group: dist.ProcessGroup | None,
     root: int,
-    select: Callable[[list[RankReport]], list[RankReport]] = lambda reports: reports,
+    select: Callable[[list[RankReport]], list[RankReport]],
 ) -> bool:
     """Gather every rank's report on `root` (a global rank of `group`), which prints the summary
     (and writes it as JSON when asked); `select` picks and merges the reports that make it.
@@ -159,9 +153,7 @@ def report_to_root(
     if not is_root:
         return True
     reports = select([msgspec.msgpack.decode(b, type=RankReport) for b in gathered])
-    summary = summarize(
-        reports, config=config_path, layout=layout_label(pc, job.draft), parallel_config=pc.to_dict()
-    )
+    summary = summarize(reports, config=config_path, parallel_config=pc.to_dict())
     print(format_summary(summary), flush=True)
     if job.json_out:
         Path(job.json_out).write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import msgspec
 
-from epdraft.worker.generate import RankReport
-
 PHASES = (
     ("prefill", "target prefill"),
     ("verify", "target verify"),
@@ -17,6 +15,32 @@ PHASES = (
     ("moe_experts", "draft MoE router + experts + shared"),
     ("moe_combine", "draft MoE combine"),
 )
+
+
+class RequestOutcome(msgspec.Struct, kw_only=True):
+    """One request's result, as gathered to rank 0."""
+
+    request_id: int
+    rank: int
+    tokens: list[int] = []
+    accept_lens: list[int] = []
+    error: str | None = None
+    reference_tokens: list[int] | None = None
+
+
+class RankReport(msgspec.Struct, kw_only=True):
+    """What one rank sends to rank 0 after the run.
+
+    layout: the MoeLayout label of the draft this rank ran or was served by ("" on a rank that
+    knows none: a disaggregated target rank, until the draft ranks' label is folded in).
+    """
+
+    rank: int
+    steps: int
+    loop_seconds: float
+    phases: dict[str, float]
+    requests: list[RequestOutcome]
+    layout: str = ""
 
 
 class RunSummary(msgspec.Struct, kw_only=True):
@@ -63,12 +87,11 @@ def derive_phases(raw: dict[str, float]) -> dict[str, float]:
     }
 
 
-def summarize(
-    reports: list[RankReport], *, config: str, layout: str, parallel_config: dict | None = None
-) -> RunSummary:
+def summarize(reports: list[RankReport], *, config: str, parallel_config: dict | None = None) -> RunSummary:
     """Combine every rank's report; phases are averaged over ranks, throughput uses the slowest rank.
 
-    `parallel_config` (the resolved ParallelConfig as a dict) is saved with the numbers it produced.
+    The layout is the one the ranks report (each rank's resolved MoeLayout). `parallel_config`
+    (the resolved ParallelConfig as a dict) is saved with the numbers it produced.
     """
     outcomes = sorted((o for r in reports for o in r.requests), key=lambda o: o.request_id)
     ok = [o for o in outcomes if o.error is None]
@@ -94,7 +117,7 @@ def summarize(
     return RunSummary(
         config=config,
         parallel_config=parallel_config or {},
-        layout=layout,
+        layout=next((r.layout for r in reports if r.layout), "none"),
         ranks=len(reports),
         requests=len(outcomes),
         failed_requests={o.request_id: o.error for o in outcomes if o.error is not None},

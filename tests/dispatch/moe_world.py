@@ -2,13 +2,13 @@
 
 Each case builds a single-process DraftMoE holding every expert (the reference) and this rank's
 sharded DraftMoE (its e = E/ep experts and F = I/tp slice, weights sliced from the reference),
-then runs many steps of random per-rank row counts through StepSync -> DraftMoE and compares
+then runs many steps of random per-rank row counts through StepCoordinator -> DraftMoE and compares
 every rank's output with the reference on the same rows.
 
 The same code runs on gloo CPU ranks in fp32 (tests/dispatch) and on NCCL GPU ranks in bf16
 (tests/gpu/test_dispatch_nccl.py): `WorldOptions` says which; each test applies its own tolerance
 to the errors reported (fp32: worst relative to max|y|; bf16: max and mean |dy| relative to mean|y|).
-StepSync always runs on a gloo group, as in the worker (the `cpu` group of `Groups`).
+StepCoordinator always runs on a gloo group, as in the worker (the `cpu` group of `Groups`).
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ import torch
 import torch.distributed as dist
 
 from epdraft.config.ffn import DraftMoeFFNSpec, RouterSpec
-from epdraft.dispatch.factory import make_dispatcher
+from epdraft.dispatch import MoeLayout, make_dispatcher
 from epdraft.layers.moe import DraftMoE
-from epdraft.layers.moe_context import MoeContext
-from epdraft.worker.dp_sync import StepSync
+from epdraft.runtime.coordinator import StepCoordinator
 
 HIDDEN = 16
 INTERMEDIATE = 8
@@ -49,7 +48,7 @@ class WorldOptions:
 
     device: "cpu", or "cuda" (the rank's current GPU, set by the spawner). dtype: of the weights and
     rows (the router stays fp32). hidden / intermediate: H and I of every case's MoE (DeepEP
-    low-latency needs H in its kernel list, Mooncake H % 128 == 0). max_tokens_per_rank,
+    low-latency needs H in its kernel list, Mooncake H % 128 == 0). max_rows_per_rank,
     low_latency: passed to make_dispatcher for the fixed-buffer backends.
     """
 
@@ -57,7 +56,7 @@ class WorldOptions:
     dtype: torch.dtype = torch.float32
     hidden: int = HIDDEN
     intermediate: int = INTERMEDIATE
-    max_tokens_per_rank: int = 0
+    max_rows_per_rank: int = 0
     low_latency: bool = False
 
 
@@ -114,14 +113,15 @@ def reference_moe(spec: DraftMoeFFNSpec, seed: int, options: WorldOptions = CPU_
     return moe
 
 
-def sharded_moe(full: DraftMoE, ctx: MoeContext, options: WorldOptions = CPU_FP32) -> DraftMoE:
-    """This rank's DraftMoE: experts [ep_rank*e, (ep_rank+1)*e), intermediate rows [tp_rank*F, (tp_rank+1)*F)."""
-    spec = full.spec
-    moe = DraftMoE(spec, options.hidden, moe_context=ctx, dtype=options.dtype, device=options.device)
-    e = spec.num_experts // ctx.ep_size
-    F_ = spec.intermediate_size // ctx.tp_size
-    experts = slice(ctx.ep_rank * e, (ctx.ep_rank + 1) * e)
-    f = slice(ctx.tp_rank * F_, (ctx.tp_rank + 1) * F_)
+def sharded_moe(full: DraftMoE, dispatcher, options: WorldOptions = CPU_FP32) -> DraftMoE:
+    """This rank's DraftMoE, placed by `dispatcher.layout`: experts [ep_rank*e, (ep_rank+1)*e),
+    intermediate rows [tp_rank*F, (tp_rank+1)*F)."""
+    spec, layout = full.spec, dispatcher.layout
+    moe = DraftMoE(spec, options.hidden, dispatcher=dispatcher, dtype=options.dtype, device=options.device)
+    e = spec.num_experts // layout.ep_size
+    F_ = spec.intermediate_size // layout.tp_size
+    experts = slice(layout.ep_rank * e, (layout.ep_rank + 1) * e)
+    f = slice(layout.tp_rank * F_, (layout.tp_rank + 1) * F_)
     w13 = full.experts.w13[experts]
     gate, up = w13[:, : spec.intermediate_size], w13[:, spec.intermediate_size :]
     sliced = {
@@ -164,7 +164,7 @@ def step_counts(rng: random.Random, world: int, step: int) -> list[int]:
 
 
 def cpu_group() -> dist.ProcessGroup:
-    """A gloo group over the whole world for StepSync (the world itself when it is gloo already)."""
+    """A gloo group over the whole world for StepCoordinator (the world itself when it is gloo already)."""
     if dist.get_backend() == dist.Backend.GLOO:
         return dist.group.WORLD
     return dist.new_group(list(range(dist.get_world_size())), backend="gloo")
@@ -177,7 +177,7 @@ def run_cases(rank: int, world: int, cases: list[tuple], num_steps: int, options
     had 0 rows while others had rows); `worst`, the largest max|dy| / max|y| of a step; `max_dy` and
     `mean_dy`, the largest max|dy| / mean|y| and mean|dy| / mean|y| of a step (DESIGN.md's bf16 metric).
     """
-    sync = StepSync(cpu_group())
+    sync = StepCoordinator(cpu_group())
     groups: dict[tuple[int, int], dist.ProcessGroup] = {}
     step_id = 0
     report = {}
@@ -188,13 +188,15 @@ def run_cases(rank: int, world: int, cases: list[tuple], num_steps: int, options
         group = groups[ep, tp]
         g = dist.get_rank(group)
         spec = moe_spec(router, options.intermediate)
-        dispatcher = make_dispatcher(
-            layout, backend, group, spec.num_experts, options.hidden, ep_size=ep, tp_size=tp, dp_padding=padding,
-            top_k=spec.top_k, max_tokens_per_rank=options.max_tokens_per_rank, low_latency=options.low_latency,
+        moe_layout = MoeLayout(
+            layout=layout, backend=backend, dp_padding=padding, low_latency=options.low_latency,
+            max_rows_per_rank=options.max_rows_per_rank, ep_rank=g // tp, ep_size=ep, tp_rank=g % tp, tp_size=tp,
+            num_experts=spec.num_experts, hidden_size=options.hidden, top_k=spec.top_k,
+            device_type=torch.device(options.device).type,
         )  # fmt: skip
-        ctx = MoeContext(ep_rank=g // tp, ep_size=ep, tp_rank=g % tp, tp_size=tp, dispatcher=dispatcher)
+        dispatcher = make_dispatcher(moe_layout, group)
         full = reference_moe(spec, 100 + case_idx, options)
-        moe = sharded_moe(full, ctx, options)
+        moe = sharded_moe(full, dispatcher, options)
         rng = random.Random(case_idx)  # same sequence on every rank
         r = {"worst": 0.0, "max_dy": 0.0, "mean_dy": 0.0, "compared": 0, "skipped": 0, "idle": 0}
         for _ in range(num_steps):
@@ -204,11 +206,10 @@ def run_cases(rank: int, world: int, cases: list[tuple], num_steps: int, options
             if plan.skip:
                 r["skipped"] += 1
                 continue
-            ctx.begin_step(plan)
             gen = torch.Generator().manual_seed(step_id * 1000 + rank)
             x = torch.randn(counts[rank], options.hidden, generator=gen).to(options.device, options.dtype)
             with torch.no_grad():
-                y = moe(x)
+                y = moe(x, plan)
                 ref = full(x)
             if y.shape != ref.shape or y.dtype != ref.dtype:
                 raise AssertionError(

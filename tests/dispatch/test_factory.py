@@ -1,73 +1,133 @@
-"""make_dispatcher: every layout/backend combination is built or refused with the reason, at build time."""
+"""MoeLayout.resolve + make_dispatcher: every layout/backend is resolved once and built, or refused
+with the reason naming the key, before step 0."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
+import msgspec
 import pytest
 import torch.distributed as dist
 
-from epdraft.dispatch import ReplicatedDispatcher, make_dispatcher
+from epdraft.config.ffn import DraftDenseFFNSpec, DraftMixFFNSpec, DraftMoeFFNSpec, RouterSpec
+from epdraft.config.parallel import parallel_config_from_dict
+from epdraft.dispatch import MoeLayout, ReplicatedDispatcher, make_dispatcher
 from epdraft.dispatch.alltoall import AllToAllDispatcher
 from epdraft.dispatch.gather import GatherDispatcher
 from epdraft.errors import ConfigError
 from tests.harness import run_ranks
 
+H = 16
 
-def _build(layout: str, backend: str, ep: int, tp: int, **kw):
+
+def _moe(num_experts: int = 8, intermediate: int = 32, top_k: int = 2) -> DraftMoeFFNSpec:
+    return DraftMoeFFNSpec(router=RouterSpec(num_experts=num_experts, top_k=top_k), intermediate_size=intermediate)
+
+
+def _ffn(*layers) -> DraftMixFFNSpec:
+    return DraftMixFFNSpec(family="test", hidden_size=H, layers=layers)
+
+
+def _config(layout: str, ep: int, tp: int, **draft) -> dict:
+    return parallel_config_from_dict(
+        {
+            "cluster": {"nnodes": 1, "nproc_per_node": 2, "device": "cpu", "backend": "gloo"},
+            "draft": {"attn_dp": 2, "moe_layout": layout, "moe_ep": ep, "moe_tp": tp, **draft},
+            "target": {"dp": 2},
+        }
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Coordinates:
+    """What resolve reads of the groups: here the world is the MoE group (2 ranks)."""
+
+    ep_rank: int
+    ep_size: int
+    tp_rank: int
+    tp_size: int
+    moe: dist.ProcessGroup | None
+    device_type: str = "cpu"
+
+
+def _resolve(layout: str, ep: int, tp: int, ffn: DraftMixFFNSpec | None = None, **draft) -> MoeLayout | str:
+    g = dist.get_rank()
+    groups = _Coordinates(g // tp, ep, g % tp, tp, dist.group.WORLD)
     try:
-        return type(make_dispatcher(layout, backend, dist.group.WORLD, 8, 16, ep_size=ep, tp_size=tp, **kw)).__name__
+        return MoeLayout.resolve(_config(layout, ep, tp, **draft), ffn or _ffn(_moe(), _moe()), groups)
     except ConfigError as e:
         return f"ConfigError: {e}"
 
 
-def _factory_cases(rank: int, world: int) -> dict:
+def _build(layout: MoeLayout | str) -> str:
+    if isinstance(layout, str):
+        return layout
+    try:
+        return type(make_dispatcher(layout, dist.group.WORLD)).__name__
+    except ConfigError as e:
+        return f"ConfigError: {e}"
+
+
+def _cases(rank: int, world: int) -> dict:
+    gather = _resolve("gather", 1, 2, dp_padding="sum_len")
+    auto = _resolve("auto", 2, 1)
+    wrong_group = msgspec.structs.replace(_resolve("gather", 2, 1), ep_size=4)
     return {
-        "gather_ep": _build("gather", "torch", 2, 1),
-        "gather_tp_sum": _build("gather", "torch", 1, 2, dp_padding="sum_len"),
-        "alltoall": _build("alltoall", "torch", 2, 1),
-        "alltoall_tp": _build("alltoall", "torch", 1, 2),
-        "deepep_gloo": _build("alltoall", "deepep", 2, 1),
-        "mooncake_gloo": _build("alltoall", "mooncake", 2, 1),
-        "unknown_backend": _build("alltoall", "nccl", 2, 1),
-        "auto": _build("auto", "torch", 2, 1),
-        "group_mismatch": _build("gather", "torch", 4, 1),
-        "experts_split": _build_bad_experts(),
+        "gather": (gather.ep_rank, gather.tp_rank, gather.tp_size, gather.dp_padding, gather.label),
+        "gather_built": _build(gather),
+        "alltoall_built": _build(_resolve("alltoall", 2, 1)),
+        "replicated": _resolve("replicated", 1, 1).label,
+        "auto": (auto.layout, auto.chosen_by_auto, auto.reason, auto.label),
+        "no_moe": _resolve("alltoall", 2, 1, _ffn(DraftDenseFFNSpec(intermediate_size=8))).layout,
+        "experts_split": _resolve("gather", 2, 1, _ffn(_moe(num_experts=7))),
+        "intermediate_split": _resolve("gather", 1, 2, _ffn(_moe(), _moe(intermediate=33))),
+        "layers_disagree": _resolve("gather", 2, 1, _ffn(_moe(), _moe(top_k=3))),
+        "group_mismatch": _build(wrong_group),
+        "deepep_gloo": _deepep_on_gloo(),
     }
 
 
-def _build_bad_experts():
-    try:
-        make_dispatcher("gather", "torch", dist.group.WORLD, 7, 16, ep_size=2, tp_size=1)
-    except ConfigError as e:
-        return f"ConfigError: {e}"
-    return "built"
+def _deepep_on_gloo() -> str:
+    """deepep asked on a gloo group (a CUDA config on a host without CUDA reaches here)."""
+    layout = MoeLayout(layout="alltoall", backend="deepep", num_experts=8, hidden_size=H, top_k=2, ep_size=2,
+                       ep_rank=dist.get_rank(), max_rows_per_rank=64)  # fmt: skip
+    return _build(layout)
 
 
 @pytest.mark.timeout(60)
-def test_factory_builds_or_refuses_with_reason():
-    out = run_ranks(2, _factory_cases, timeout_s=50)[0]
-    assert out["gather_ep"] == GatherDispatcher.__name__
-    assert out["gather_tp_sum"] == GatherDispatcher.__name__
-    assert out["alltoall"] == AllToAllDispatcher.__name__
-    assert out["alltoall_tp"].startswith("ConfigError: draft.a2a_backend = 'torch' cannot run here: ")
-    assert "draft.moe_tp = 2" in out["alltoall_tp"]
-    # The first missing piece is named: the package with its install command, else CUDA.
-    for key, module, install in (
-        ("deepep_gloo", "deep_ep", "pip install 'epdraft[deepep]'"),
-        ("mooncake_gloo", "mooncake.mooncake_ep_buffer", "pip install 'epdraft[mooncake-cuda13]'"),
-    ):
-        if importlib.util.find_spec(module.split(".")[0]) is None:
-            assert f"{module} is not installed: {install}" in out[key]
-        else:
-            assert out[key].endswith("needs CUDA GPUs and none is visible"), out[key]
-    assert out["unknown_backend"] == "ConfigError: draft.a2a_backend = 'nccl': expected one of torch, deepep, mooncake"
-    assert "choose_layout" in out["auto"]
-    assert out["group_mismatch"] == (
-        "ConfigError: draft.moe_ep = 4 x draft.moe_tp = 1 = 4 ranks, but the MoE group has 2"
-    )
+def test_layouts_resolve_once_and_build_or_refuse_with_the_key():
+    out = run_ranks(2, _cases, timeout_s=50)[1]
+    assert out["gather"] == (0, 1, 2, "sum_len", "gather (sum_len)")
+    assert out["gather_built"] == GatherDispatcher.__name__
+    assert out["alltoall_built"] == AllToAllDispatcher.__name__
+    assert out["replicated"] == "replicated"
+    layout, by_auto, reason, label = out["auto"]
+    assert by_auto and reason.startswith(layout) and label.endswith(", chosen by auto")
+    assert out["no_moe"] == "replicated"
     assert out["experts_split"] == "ConfigError: draft.moe_ep = 2 must divide the draft's 7 experts"
+    assert out["intermediate_split"] == (
+        "ConfigError: draft.moe_tp = 2 must divide layer 1's expert intermediate size 33"
+    )
+    assert out["layers_disagree"].startswith("ConfigError: layer 1: 8 experts top-3, layer 0: 8 top-2; ")
+    assert out["group_mismatch"] == (
+        "ConfigError: draft.moe_layout = 'gather' cannot run here: draft.moe_ep = 4 x draft.moe_tp = 1 = 4 ranks, "
+        "but the MoE group has 2"
+    )
+    # The first missing piece is named: the package with its install command, else CUDA.
+    if importlib.util.find_spec("deep_ep") is None:
+        assert "deep_ep is not installed: pip install 'epdraft[deepep]'" in out["deepep_gloo"]
+    else:
+        assert out["deepep_gloo"].endswith("needs CUDA GPUs and none is visible"), out["deepep_gloo"]
+    assert out["deepep_gloo"].startswith("ConfigError: draft.a2a_backend = 'deepep' cannot run here: ")
 
 
 def test_replicated_needs_no_group():
-    assert isinstance(make_dispatcher("replicated", "torch", None, 8, 16, ep_size=1, tp_size=1), ReplicatedDispatcher)
+    layout = MoeLayout.local(8, H, 2)
+    assert isinstance(make_dispatcher(layout, None), ReplicatedDispatcher)
+
+
+def test_unknown_backend_is_refused_naming_both_keys():
+    layout = MoeLayout(layout="alltoall", backend="nccl", num_experts=8, hidden_size=H, top_k=2)
+    with pytest.raises(ConfigError, match="draft.a2a_backend = 'nccl' with draft.moe_layout = 'alltoall': expected one of"):
+        make_dispatcher(layout, None)

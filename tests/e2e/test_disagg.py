@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from epdraft.config.parallel import load_parallel_config, parallel_config_from_dict
-from epdraft.worker.disagg import KILL_AT_STEP_ENV
 from epdraft.worker.pairing import paired_draft_rank, paired_target_ranks
 from tests.e2e.test_run import run_epdraft
 from tests.harness import free_port
+
+KILL_AT_STEP_ENV = "EPDRAFT_TEST_KILL_DRAFT_AT"  # read by tests/e2e/faults/sitecustomize.py
 
 REPO = Path(__file__).resolve().parents[2]
 DISAGG = "configs/local-cpu-disagg.toml"
@@ -76,7 +77,11 @@ def test_one_draft_rank_serves_two_target_ranks(tmp_path):
 def test_killed_draft_rank_fails_every_rank_naming_it(tmp_path):
     timeout_s = 30
     marker = uuid.uuid4().hex
-    env = {**os.environ, "OMP_NUM_THREADS": "1", KILL_AT_STEP_ENV: "3:5", "EPDRAFT_TEST_MARKER": marker}
+    # tests/e2e/faults/sitecustomize.py installs the fault in every worker at epdraft's test seam.
+    faults = str(Path(__file__).resolve().parent / "faults")
+    pythonpath = os.pathsep.join(p for p in (faults, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", KILL_AT_STEP_ENV: "3:5", "EPDRAFT_TEST_MARKER": marker,
+           "PYTHONPATH": pythonpath}  # fmt: skip
     cmd = [sys.executable, "-m", "epdraft.cli", "run", DISAGG, *PROMPTS, "--no-lossless-check",
            "--set", f"cluster.timeout_s={timeout_s}", "--master-port", str(free_port())]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

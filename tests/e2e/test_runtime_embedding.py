@@ -22,14 +22,16 @@ NEW_TOKENS = 24
 
 
 def _host_engine(rank: int, world: int, layout: str, ep: int, prompts_of_rank: list[list[int]]):
+    from epdraft.config.parallel import parallel_config_from_dict
+    from epdraft.models import read_draft_spec
     from epdraft.models.spec import check_against_target
-    from epdraft.runtime import draft_spec
+    from epdraft.parallel.groups import Groups
+    from epdraft.runtime import MoeLayout
     from epdraft.target.hf import HFTarget
-    from epdraft.worker.groups import Groups
 
     torch.manual_seed(0)
     draft_dir = ASSETS / "tiny-draft"
-    spec = draft_spec(draft_dir)
+    spec = read_draft_spec(draft_dir)
     target = HFTarget.from_pretrained(ASSETS / "tiny-target", spec.target_layer_ids)
     check_against_target(spec, hidden_size=target.hidden_size, num_layers=target.num_layers, vocab_size=target.vocab_size)
     # The engine's own groups: one MoE group of `ep` ranks per replica, a gloo CPU group over all.
@@ -40,7 +42,16 @@ def _host_engine(rank: int, world: int, layout: str, ep: int, prompts_of_rank: l
         if start <= rank < start + ep:
             moe = g
     groups = Groups.from_process_groups(moe=moe, attn_dp=everyone, cpu=everyone, ep_size=ep, tp_size=1)
-    runtime = DraftRuntime.build(draft_dir, target, groups=groups, moe_layout=layout)
+    # The engine states its draft layout as a ParallelConfig (a dict here, a file in epdraft run).
+    pc = parallel_config_from_dict({
+        "cluster": {"nnodes": 1, "nproc_per_node": world, "device": "cpu"},
+        "draft": {"attn_dp": world, "moe_layout": layout, "moe_ep": ep},
+        "target": {"dp": world},
+    })  # fmt: skip
+    runtime = DraftRuntime.build(
+        draft_dir, target, groups=groups, layout=MoeLayout.resolve(pc, spec.ffn, groups), spec=spec
+    )
+    assert runtime.layout.layout == layout and runtime.layout.ep_size == ep
 
     mine = {rank * 100 + i: p for i, p in enumerate(prompts_of_rank[rank])}
     tokens: dict[int, list[int]] = {}
@@ -72,11 +83,10 @@ def _host_engine(rank: int, world: int, layout: str, ep: int, prompts_of_rank: l
 
 
 def _reference(prompts: list[list[int]]):
-    from epdraft.models import load_draft, speculative_generate
-    from epdraft.runtime import draft_spec
+    from epdraft.models import load_draft, read_draft_spec, speculative_generate
     from epdraft.target.hf import HFTarget
 
-    spec = draft_spec(ASSETS / "tiny-draft")
+    spec = read_draft_spec(ASSETS / "tiny-draft")
     target = HFTarget.from_pretrained(ASSETS / "tiny-target", spec.target_layer_ids)
     draft = load_draft(ASSETS / "tiny-draft")
     outs = [speculative_generate(target, draft, p, NEW_TOKENS, request_id=i) for i, p in enumerate(prompts)]

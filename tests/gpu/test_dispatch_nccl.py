@@ -18,7 +18,7 @@ import torch
 
 from epdraft.dispatch.deepep import DeepEPDispatcher
 from epdraft.dispatch.mooncake import MooncakeDispatcher
-from epdraft.dispatch.setup import DispatchSetup
+from epdraft.dispatch.layout import MoeLayout
 from tests.dispatch.moe_world import ROUTERS, WorldOptions, all_splits, alltoall_cases, gather_cases, run_cases
 from tests.harness import run_ranks
 
@@ -33,10 +33,10 @@ pytestmark = [
 ]
 
 # H = 256: Mooncake EP needs H % 128 == 0, DeepEP normal H % 8; I = 64 splits over moe_tp up to 8.
-BF16 = WorldOptions(device="cuda", dtype=torch.bfloat16, hidden=256, intermediate=64, max_tokens_per_rank=16)
+BF16 = WorldOptions(device="cuda", dtype=torch.bfloat16, hidden=256, intermediate=64, max_rows_per_rank=16)
 # DeepEP's low-latency kernels are built for a fixed list of hidden sizes, the smallest 2048.
 BF16_LOW_LATENCY = WorldOptions(
-    device="cuda", dtype=torch.bfloat16, hidden=2048, intermediate=64, max_tokens_per_rank=16, low_latency=True
+    device="cuda", dtype=torch.bfloat16, hidden=2048, intermediate=64, max_rows_per_rank=16, low_latency=True
 )
 
 
@@ -49,7 +49,8 @@ def _missing_package_reason(cls: type, module: str) -> str | None:
     package = module.split(".")[0]
     if importlib.util.find_spec(package) is not None and importlib.util.find_spec(module) is not None:
         return None
-    return cls.unsupported_reason(DispatchSetup(num_experts=8, hidden_size=BF16.hidden, ep_size=2, tp_size=1), None)
+    layout = MoeLayout(layout="alltoall", num_experts=8, hidden_size=BF16.hidden, top_k=2, ep_size=2)
+    return cls.unsupported_reason(layout, None)
 
 
 def _check(reports: list[dict], cases: list[tuple]) -> None:

@@ -16,10 +16,8 @@ import torch
 import torch.distributed as dist
 
 from epdraft.config.ffn import DraftMoeFFNSpec, RouterSpec
-from epdraft.dispatch.factory import make_dispatcher
-from epdraft.dispatch.plan import StepPlan
+from epdraft.dispatch import Dispatcher, MoeLayout, StepPlan, make_dispatcher
 from epdraft.layers.moe import DraftMoE
-from epdraft.layers.moe_context import MoeContext
 from tests.harness import free_port
 
 pytestmark = [
@@ -52,8 +50,8 @@ def one_rank_nccl():
         dist.destroy_process_group()
 
 
-def _random_moe(spec: DraftMoeFFNSpec, ctx: MoeContext | None, seed: int) -> DraftMoE:
-    moe = DraftMoE(spec, HIDDEN, moe_context=ctx, dtype=torch.bfloat16, device="cuda")
+def _random_moe(spec: DraftMoeFFNSpec, dispatcher: Dispatcher | None, seed: int) -> DraftMoE:
+    moe = DraftMoE(spec, HIDDEN, dispatcher=dispatcher, dtype=torch.bfloat16, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     with torch.no_grad():
         for p in moe.parameters():
@@ -67,22 +65,22 @@ def test_mooncake_ep_matches_single_process_draft_moe(one_rank_nccl, router):
     from epdraft.dispatch.mooncake import MooncakeDispatcher
 
     spec = DraftMoeFFNSpec(router=ROUTERS[router], intermediate_size=192, shared_intermediate_size=128)
-    dispatcher = make_dispatcher(
-        "alltoall", "mooncake", one_rank_nccl, spec.num_experts, HIDDEN,
-        ep_size=1, tp_size=1, top_k=spec.top_k, max_tokens_per_rank=MAX_TOKENS,
+    layout = MoeLayout(
+        layout="alltoall", backend="mooncake", num_experts=spec.num_experts, hidden_size=HIDDEN, top_k=spec.top_k,
+        max_rows_per_rank=MAX_TOKENS, device_type="cuda",
     )  # fmt: skip
+    dispatcher = make_dispatcher(layout, one_rank_nccl)
     assert isinstance(dispatcher, MooncakeDispatcher)
-    ctx = MoeContext(dispatcher=dispatcher)
     reference = _random_moe(spec, None, seed=7)
-    moe = _random_moe(spec, ctx, seed=0)
+    moe = _random_moe(spec, dispatcher, seed=0)
     moe.load_state_dict(reference.state_dict())
     try:
         for step, rows in enumerate(ROWS):
-            ctx.begin_step(StepPlan(step=step, ranks=(0,), counts=(rows,)))
+            plan = StepPlan(step=step, ranks=(0,), counts=(rows,))
             gen = torch.Generator(device="cuda").manual_seed(100 + step)
             x = torch.randn(rows, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
             with torch.no_grad():
-                y, ref = moe(x), reference(x)
+                y, ref = moe(x, plan), reference(x)
             assert y.shape == ref.shape == (rows, HIDDEN) and y.dtype == ref.dtype
             if not rows:
                 continue

@@ -10,11 +10,9 @@ import pytest
 import torch
 
 from epdraft.config.ffn import DraftMixFFNSpec, DraftMoeFFNSpec
-from epdraft.dispatch.factory import make_dispatcher
-from epdraft.dispatch.plan import StepPlan
+from epdraft.dispatch import Dispatcher, MoeLayout, StepPlan, make_dispatcher
 from epdraft.errors import ConfigError, LoadError
 from epdraft.layers import DraftMoE, build_ffn
-from epdraft.layers.moe_context import MoeContext
 from epdraft.loading import load_ffn
 from tests.harness import run_ranks
 
@@ -41,9 +39,9 @@ def hf_block(layer: int = 0, seed: int = 1):
     return block, config.to_dict()
 
 
-def draft_moe(config: dict, layer: int, ctx: MoeContext | None = None) -> DraftMoE:
+def draft_moe(config: dict, layer: int, dispatcher: Dispatcher | None = None) -> DraftMoE:
     spec = DraftMixFFNSpec.from_config(config)
-    return build_ffn(spec, layer, H, dtype=torch.float32, device="cpu", moe_context=ctx)
+    return build_ffn(spec, layer, H, dtype=torch.float32, device="cpu", dispatcher=dispatcher)
 
 
 def test_hash_layer_equals_transformers_deepseek_v4_block():
@@ -58,7 +56,7 @@ def test_hash_layer_equals_transformers_deepseek_v4_block():
             ref_TH = block(x_TH.unsqueeze(0), ids_T.unsqueeze(0))[0]
             _, hf_w_TK, hf_ids_TK = block.gate(x_TH.unsqueeze(0), ids_T.unsqueeze(0))
             ids_TK, w_TK = moe.router(x_TH, ids_T)
-            y_TH = moe(x_TH, ids_T)
+            y_TH = moe(x_TH, None, ids_T)
         assert torch.equal(ids_TK, hf_ids_TK) and torch.equal(ids_TK, block.gate.tid2eid[ids_T])
         if T:
             torch.testing.assert_close(w_TK, hf_w_TK.float(), rtol=1e-5, atol=1e-6)
@@ -75,7 +73,7 @@ def test_hash_layer_needs_the_token_ids():
     with pytest.raises(ConfigError, match=r"hash-routed router: needs input_ids_T \[4\], got None"):
         moe(torch.zeros(4, H))
     with pytest.raises(ConfigError, match=r"needs input_ids_T \[4\], got \[3\]"):
-        moe(torch.zeros(4, H), torch.zeros(3, dtype=torch.long))
+        moe(torch.zeros(4, H), None, torch.zeros(3, dtype=torch.long))
 
 
 @pytest.mark.parametrize("table, needle", [
@@ -111,10 +109,10 @@ def _rank_case(rank: int, world: int, layout: str, padding: str, steps: int) -> 
     state = {f"model.layers.0.mlp.{k}": v for k, v in block.state_dict().items()}
     full = draft_moe(config, 0)
     load_ffn(full, state, layer_id=0)
-    dispatcher = make_dispatcher(layout, "torch", dist.group.WORLD, E, H, ep_size=world, tp_size=1,
-                                 dp_padding=padding, top_k=K)
-    ctx = MoeContext(ep_rank=rank, ep_size=world, dispatcher=dispatcher)
-    moe = draft_moe(config, 0, ctx)
+    moe_layout = MoeLayout(layout=layout, dp_padding=padding, ep_rank=rank, ep_size=world,
+                           num_experts=E, hidden_size=H, top_k=K)
+    dispatcher = make_dispatcher(moe_layout, dist.group.WORLD)
+    moe = draft_moe(config, 0, dispatcher)
     load_ffn(moe, state, layer_id=0)
     e = E // world
     # Only this rank's experts' rows of every expert tensor; the router and its table are whole.
@@ -131,12 +129,11 @@ def _rank_case(rank: int, world: int, layout: str, padding: str, steps: int) -> 
         plan = StepPlan(step=step, ranks=tuple(range(world)), counts=tuple(counts))
         if plan.skip:
             continue
-        ctx.begin_step(plan)
         gen = torch.Generator().manual_seed(1000 * step + rank)
         n = plan.counts[rank]
         x, ids = torch.randn(n, H, generator=gen), torch.randint(0, V, (n,), generator=gen)
         with torch.no_grad():
-            y, ref = moe(x, ids), full(x, ids)
+            y, ref = moe(x, plan, ids), full(x, None, ids)
         if n == 0:
             idle += 1
             continue

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from epdraft.config.ffn import ActivationSpec, DraftDenseFFNSpec, DraftMixFFNSpec, DraftMoeFFNSpec, RouterSpec
-from epdraft.dispatch.base import Dispatched, ReplicatedDispatcher
+from epdraft.dispatch.base import ReplicatedDispatcher
+from epdraft.dispatch.layout import MoeLayout
 from epdraft.errors import ConfigError
 from epdraft.layers import DraftMLP, DraftMoE, build_ffn
-from epdraft.layers.moe_context import MoeContext
+from tests.stubs import LocalIdsDispatcher, shard_layout
 
 E, I, H, S = 8, 16, 32, 12
 SPEC = DraftMoeFFNSpec(
@@ -40,6 +41,7 @@ class RecordingDispatcher(ReplicatedDispatcher):
     """Replicated, but records every call so a test can see that zero-row ranks still enter them."""
 
     def __init__(self) -> None:
+        super().__init__(MoeLayout.local(E, H, SPEC.top_k))
         self.calls: list[tuple[str, int]] = []
 
     def dispatch(self, x_TH, topk_ids_TK, topk_weights_TK, plan=None):
@@ -51,21 +53,9 @@ class RecordingDispatcher(ReplicatedDispatcher):
         return super().combine(expert_out_RH, handle)
 
 
-class LocalIdsDispatcher(ReplicatedDispatcher):
-    """One EP rank without communication: its own tokens, global ids mapped to local ids (-1 = other rank)."""
-
-    def __init__(self, first: int, count: int) -> None:
-        self.first, self.count = first, count
-
-    def dispatch(self, x_TH, topk_ids_TK, topk_weights_TK, plan=None):
-        local_TK = topk_ids_TK - self.first
-        local_TK = torch.where((local_TK >= 0) & (local_TK < self.count), local_TK, -1)
-        return Dispatched(x_TH, local_TK, topk_weights_TK, x_TH.shape[0])
-
-
 def test_zero_rows_still_dispatch_and_combine():
     dispatcher = RecordingDispatcher()
-    moe = DraftMoE(SPEC, H, layer_id=0, moe_context=MoeContext(dispatcher=dispatcher))
+    moe = DraftMoE(SPEC, H, layer_id=0, dispatcher=dispatcher)
     moe.load_weights(_random_weights(0))
     moe.check_loaded()
     y_TH = moe(torch.empty(0, H))
@@ -84,8 +74,7 @@ def test_ep_shards_sum_to_replicated_layer():
         shared_TH = full.shared(x_TH)
         total_TH = torch.zeros_like(ref_TH)
         for rank in range(ep):
-            ctx = MoeContext(ep_rank=rank, ep_size=ep, dispatcher=LocalIdsDispatcher(rank * E // ep, E // ep))
-            shard = DraftMoE(SPEC, H, moe_context=ctx)
+            shard = DraftMoE(SPEC, H, dispatcher=LocalIdsDispatcher(shard_layout(SPEC, H, ep_rank=rank, ep_size=ep)))
             shard.load_weights(weights)
             shard.check_loaded()
             total_TH += shard(x_TH) - shared_TH  # each rank adds the (replicated) shared expert itself
@@ -111,6 +100,6 @@ def test_build_ffn_refuses_bad_layer_and_placement():
     with pytest.raises(ConfigError, match="hidden_size 16"):
         build_ffn(mix, 0, 16, dtype=torch.float32, device="cpu")
     with pytest.raises(ConfigError, match="draft.moe_ep = 3"):
-        build_ffn(mix, 0, H, dtype=torch.float32, device="cpu", moe_context=MoeContext(ep_size=3))
+        build_ffn(mix, 0, H, dtype=torch.float32, device="cpu", dispatcher=LocalIdsDispatcher(shard_layout(SPEC, H, ep_size=3)))
     with pytest.raises(ConfigError, match="draft.moe_tp = 3"):
-        build_ffn(mix, 0, H, dtype=torch.float32, device="cpu", moe_context=MoeContext(tp_size=3))
+        build_ffn(mix, 0, H, dtype=torch.float32, device="cpu", dispatcher=LocalIdsDispatcher(shard_layout(SPEC, H, tp_size=3)))

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from epdraft.errors import ConfigError
-from epdraft.worker.job import read_prompts
+from epdraft.worker.prompts import read_prompts
 
 
 def _write(tmp_path, lines):

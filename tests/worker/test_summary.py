@@ -1,18 +1,18 @@
 """The run summary: acceptance arithmetic, phase split, and the lossless verdict with its first mismatch."""
 
-from epdraft.worker.generate import RankReport, RequestOutcome, assign_prompts
-from epdraft.worker.summary import format_summary, summarize
+from epdraft.worker.serve import assign_prompts
+from epdraft.worker.summary import RankReport, RequestOutcome, format_summary, summarize
 
 
-def _report(rank, requests, seconds=2.0):
+def _report(rank, requests, seconds=2.0, layout="alltoall"):
     phases = {"verify": 0.5, "sync": 0.1, "draft_propose": 0.9, "moe_total": 0.6, "moe_dispatch": 0.2, "moe_combine": 0.1}
-    return RankReport(rank=rank, steps=4, loop_seconds=seconds, phases=phases, requests=requests)
+    return RankReport(rank=rank, steps=4, loop_seconds=seconds, phases=phases, requests=requests, layout=layout)
 
 
 def test_summary_counts_the_bonus_and_splits_phases():
     ok = RequestOutcome(request_id=0, rank=0, tokens=[1, 2, 3, 4, 5, 6], accept_lens=[3, 1], reference_tokens=[1, 2, 3, 4, 5, 6])
     bad = RequestOutcome(request_id=1, rank=1, error="request 1: empty prompt")
-    s = summarize([_report(0, [ok]), _report(1, [bad], seconds=3.0)], config="c.toml", layout="alltoall")
+    s = summarize([_report(0, [ok]), _report(1, [bad], seconds=3.0)], config="c.toml")
     assert s.accept_length == 3.0 and s.accepted_drafts_per_step == 2.0
     assert s.accept_length_per_rank == {0: 3.0, 1: 0.0}
     assert s.generated_tokens == 6 and s.tokens_per_s == 2.0  # the slowest rank's loop time
@@ -25,14 +25,15 @@ def test_summary_counts_the_bonus_and_splits_phases():
 
 def test_summary_names_the_first_differing_position():
     a = RequestOutcome(request_id=3, rank=1, tokens=[5, 6, 7, 8], accept_lens=[1, 1], reference_tokens=[5, 6, 9, 8])
-    s = summarize([_report(0, []), _report(1, [a])], config="c.toml", layout="gather")
+    s = summarize([_report(0, [], layout=""), _report(1, [a], layout="gather (max_len)")], config="c.toml")
+    assert s.layout == "gather (max_len)"  # the label a rank reports; a rank without one has none
     assert s.lossless is False
     assert "lossless: FAIL: request 3 (rank 1) differs at generated position 2" in format_summary(s)
 
 
 def test_lossless_is_unknown_when_not_checked():
     a = RequestOutcome(request_id=0, rank=0, tokens=[1, 2], accept_lens=[1])
-    assert summarize([_report(0, [a])], config="c", layout="replicated").lossless is None
+    assert summarize([_report(0, [a])], config="c").lossless is None
 
 
 def test_assign_prompts_balances_load_unevenly_and_deterministically():

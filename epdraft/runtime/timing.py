@@ -61,6 +61,7 @@ class TimedDispatcher:
     def __init__(self, inner: Dispatcher, timers: PhaseTimers):
         self.inner = inner
         self.timers = timers
+        self.layout = inner.layout
 
     def dispatch(self, x_TH, topk_ids_TK, topk_weights_TK, plan: StepPlan) -> Dispatched:
         with self.timers.phase("moe_dispatch"):

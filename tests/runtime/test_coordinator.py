@@ -1,4 +1,4 @@
-"""StepSync: one all-gather per step gives every rank the same StepPlan; out-of-step ranks fail together."""
+"""StepCoordinator: one all-gather per step gives every rank the same StepPlan; out-of-step ranks fail together."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import pytest
 import torch.distributed as dist
 
 from epdraft.errors import ParallelError, StepMismatch
-from epdraft.worker.dp_sync import StepSync
+from epdraft.runtime.coordinator import StepCoordinator
 from tests.harness import run_ranks
 
 
 def _sync_checks(rank: int, world: int) -> dict:
-    sync = StepSync(dist.group.WORLD, num_extras=2)
+    sync = StepCoordinator(dist.group.WORLD, num_extras=2)
     out = {}
     plan = sync.sync(7, [3, 0, 5][rank], extras=(rank, 10 * rank))
     out["plan"] = (plan.step, plan.ranks, plan.counts, plan.total, plan.max_count, plan.skip, plan.extras)
@@ -47,4 +47,4 @@ def test_step_sync_plans_mismatch_and_bad_input():
         assert "rank 0: 10, rank 1: 11, rank 2: 10" in out["mismatch"]
         assert f"rank {rank}'s step" in out["mismatch"]
         assert out["negative"] == f"rank {rank}: step 12 local_rows = -1 must be >= 0"
-        assert out["extras"] == f"rank {rank}: step 12 passed 1 extras, StepSync expects 2"
+        assert out["extras"] == f"rank {rank}: step 12 passed 1 extras, StepCoordinator expects 2"

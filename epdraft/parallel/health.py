@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from epdraft.errors import ParallelError
-from epdraft.worker.groups import GROUP_NAMES, Groups
+from epdraft.parallel.groups import GROUP_NAMES, Groups
 
 
 def check_all_reduce(group: dist.ProcessGroup, name: str) -> None:

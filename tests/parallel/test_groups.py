@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -9,10 +10,14 @@ import torch
 import torch.distributed as dist
 
 from epdraft.config.parallel import parallel_config_from_dict
+from epdraft.dispatch import MoeLayout
+from epdraft.models import read_draft_spec
 from epdraft.errors import ParallelError
-from epdraft.worker.groups import GROUP_NAMES, Groups, layout_table, resolve_backend
-from epdraft.worker.health import check_all_reduce, health_check
+from epdraft.parallel.groups import GROUP_NAMES, Groups, layout_table, resolve_backend
+from epdraft.parallel.health import check_all_reduce, health_check
 from tests.harness import run_ranks
+
+TINY_DRAFT = Path(__file__).resolve().parents[2] / "epdraft" / "assets" / "tiny-draft"
 
 
 def _config(world: int, ep: int, tp: int, layout: str, nnodes: int = 1, draft_nodes: tuple[int, ...] = ()):
@@ -65,8 +70,10 @@ def check_layouts(rank: int, world: int, layouts: list[tuple]) -> int:
         assert (groups.ep_size, groups.tp_size, groups.dp_rank, groups.dp_size) == (ep, tp, i, len(draft_ranks))
         assert dist.get_rank(groups.moe) == groups.ep_rank * tp + groups.tp_rank
         assert groups.mesh is not None and groups.mesh.mesh_dim_names == ("moe_dp", "moe_ep", "moe_tp")
-        ctx = groups.moe_context(dispatcher=mock.sentinel.dispatcher)
-        assert (ctx.ep_rank, ctx.ep_size, ctx.tp_rank, ctx.tp_size) == (groups.ep_rank, ep, groups.tp_rank, tp)
+        # The MoeLayout every consumer reads takes this rank's coordinates from the groups, once.
+        moe = MoeLayout.resolve(pc, read_draft_spec(TINY_DRAFT).ffn, groups)
+        coords = (groups.ep_rank, ep, groups.tp_rank, tp) if moe.layout != "replicated" else (0, 1, 0, 1)
+        assert (moe.ep_rank, moe.ep_size, moe.tp_rank, moe.tp_size) == coords, (layout, rank)
         health_check(groups)
     return rank
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from epdraft.errors import ParallelError
-from epdraft.worker.world import join_world, leave_world
+from epdraft.parallel.world import join_world, leave_world
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""One small collective per step: every rank learns every rank's row count before any MoE layer runs.
+"""The step coordinator: one small collective per step, so every rank learns every rank's row count
+before any MoE layer runs.
 
 The plan it returns is the only thing a rank may branch a collective on (skip the step, pad
 length, buffer sizes): branching on the local row count instead is a hang, because a rank that
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class StepSync:
+class StepCoordinator:
     """Gathers `[step, rows, *extras]` from every rank of `group` in one all-gather.
 
     Args:
@@ -36,7 +37,7 @@ class StepSync:
 
     def __init__(self, group: dist.ProcessGroup, *, num_extras: int = 0, device: torch.device | str = "cpu"):
         if num_extras < 0:
-            raise ParallelError(f"StepSync: num_extras = {num_extras} must be >= 0")
+            raise ParallelError(f"StepCoordinator: num_extras = {num_extras} must be >= 0")
         self.group = group
         self.num_extras = num_extras
         self.device = torch.device(device)
@@ -58,7 +59,7 @@ class StepSync:
             raise ParallelError(f"rank {self.rank}: step {step} local_rows = {local_rows} must be >= 0")
         if len(extras) != self.num_extras:
             raise ParallelError(
-                f"rank {self.rank}: step {step} passed {len(extras)} extras, StepSync expects {self.num_extras}"
+                f"rank {self.rank}: step {step} passed {len(extras)} extras, StepCoordinator expects {self.num_extras}"
             )
         width = 2 + self.num_extras
         mine = torch.tensor([step, local_rows, *extras], dtype=torch.int64, device=self.device)

@@ -2,12 +2,13 @@
 
 The draft ranks form a 3-axis mesh `(moe_dp, moe_ep, moe_tp)`, row-major, so draft rank
 `(dp_idx * ep + ep_rank) * tp + tp_rank` (for colocated layouts this is the global rank) and, inside
-the MoE group, rank `g = ep_rank * tp + tp_rank` (the ordering `MoeContext` shards experts by).
+the MoE group, rank `g = ep_rank * tp + tp_rank` (the ordering `MoeLayout` shards experts by).
 
     groups = Groups.from_config(pc)     # the only caller of init_device_mesh / new_group
-    d = make_dispatcher(..., groups.moe, ...)
+    layout = MoeLayout.resolve(pc, draft_spec.ffn, groups)
+    d = make_dispatcher(layout, groups.moe)
 
-Groups are passed to whoever communicates; nothing below the worker reads a global group.
+Groups are passed to whoever communicates; nothing below the runtime reads a global group.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from epdraft.config.parallel import ClusterConfig, ParallelConfig
-from epdraft.dispatch.base import Dispatcher
+from epdraft.config.parallel import CUDA_A2A_BACKENDS
 from epdraft.errors import ConfigError, ParallelError
-from epdraft.layers.moe_context import MoeContext
 
 MESH_AXES = ("moe_dp", "moe_ep", "moe_tp")
 GROUP_NAMES = ("moe", "moe_ep", "moe_tp", "attn_dp", "cpu")
@@ -43,7 +43,7 @@ def resolve_backend(pc: ParallelConfig) -> tuple[str, str]:
     backend = cluster.backend if cluster.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
     if backend == "nccl" and device != "cuda":
         raise ConfigError("cluster.backend = 'nccl' needs CUDA but cluster.device = 'auto' resolved to 'cpu'")
-    if device == "cpu" and pc.draft.a2a_backend != "torch":
+    if device == "cpu" and pc.draft.a2a_backend in CUDA_A2A_BACKENDS:
         raise ConfigError(
             f"draft.a2a_backend = {pc.draft.a2a_backend!r} needs CUDA but cluster.device = 'auto' resolved to 'cpu'"
         )
@@ -70,6 +70,7 @@ class Groups:
     attn_dp: every draft rank (data-parallel attention); dp_rank / dp_size are this rank's place in it.
     cpu: a gloo group over the attn_dp ranks, for small metadata that must not touch the GPU stream.
     mesh: the DeviceMesh the groups came from, or None when built from an engine's groups.
+    device_type: "cuda" or "cpu", where this rank's draft runs.
     """
 
     mesh: DeviceMesh | None
@@ -84,6 +85,7 @@ class Groups:
     tp_size: int
     dp_rank: int
     dp_size: int
+    device_type: str
 
     @classmethod
     def from_config(cls, pc: ParallelConfig) -> Groups | None:
@@ -139,6 +141,7 @@ class Groups:
             tp_size=d.moe_tp,
             dp_rank=dist.get_rank(attn_dp),
             dp_size=d.attn_dp,
+            device_type=device_type,
         )
 
     @classmethod
@@ -187,6 +190,7 @@ class Groups:
             tp_size=tp_size,
             dp_rank=dist.get_rank(attn_dp),
             dp_size=attn_dp.size(),
+            device_type="cuda" if dist.get_backend(moe) == dist.Backend.NCCL else "cpu",
         )
 
     def get(self, name: str) -> dist.ProcessGroup:
@@ -197,12 +201,6 @@ class Groups:
         if group is None:
             raise ParallelError(f"group {name!r} was not passed by the engine (its axis has size 1)")
         return group
-
-    def moe_context(self, dispatcher: Dispatcher) -> MoeContext:
-        """The MoeContext of this rank's DraftMoE layers, talking through `dispatcher`."""
-        return MoeContext(
-            ep_rank=self.ep_rank, ep_size=self.ep_size, tp_rank=self.tp_rank, tp_size=self.tp_size, dispatcher=dispatcher
-        )
 
 
 def layout_table(pc: ParallelConfig) -> str:

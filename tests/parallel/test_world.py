@@ -21,8 +21,8 @@ RANK_BODY = textwrap.dedent(
     import torch, torch.distributed as dist
     from epdraft.config.parallel import load_parallel_config
     from epdraft.target.hf import HFTarget
-    from epdraft.worker.groups import Groups
-    from epdraft.worker.world import join_world, leave_world
+    from epdraft.parallel.groups import Groups
+    from epdraft.parallel.world import join_world, leave_world
 
     join_world("gloo", timeout=datetime.timedelta(seconds=30))
     groups = Groups.from_config(load_parallel_config("configs/local-cpu-2.toml"))  # 2 ranks, moe_ep 2

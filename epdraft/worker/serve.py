@@ -1,0 +1,200 @@
+"""The standalone runner's serving loop, one for both placements: prefill, then propose -> verify
+-> commit until every request has its tokens.
+
+The loop runs on the ranks that hold the target. Where the drafts come from is the only thing a
+placement changes, behind `Drafter`:
+
+- colocated (`LocalDrafter`): this rank's own `DraftRuntime`. A rank whose requests have all
+  finished, or that never had any, stays in as an idle participant (it still proposes with no
+  requests, so it enters every MoE collective) until the agreed plan says no rank has rows left.
+- disaggregated (`epdraft.worker.disagg.RemoteDrafter`): the paired draft rank, over the link.
+
+Prompts are split over the ranks the way a load-balancing scheduler would (uneven counts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+
+from epdraft.errors import RequestError
+from epdraft.runtime import DraftRuntime, PhaseTimers
+from epdraft.target.base import Target, VerifyResult
+from epdraft.target.hf import cache_kwarg
+from epdraft.worker.summary import RankReport, RequestOutcome
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafted:
+    """One step's drafts (request id -> [B-1] int64), or `stop` when the loop must end.
+
+    progress: (requests running, ranks with requests, tokens so far) over every rank, when the
+    drafter knows them (the colocated step sync gathers them), for the progress line.
+    """
+
+    drafts: dict[int, torch.Tensor]
+    stop: bool = False
+    progress: tuple[int, int, int] | None = None
+
+
+class Drafter(Protocol):
+    """Where the serving loop gets its drafts from; each method is called in the loop's order."""
+
+    def admit(self, request_id: int, prompt_features: torch.Tensor) -> None:
+        """A prefilled request joins: its prompt rows' target features [L, K*H]."""
+        ...
+
+    def propose(self, step: int, anchors: Mapping[int, int], tokens_so_far: int) -> Drafted:
+        """Drafts for every running request (request id -> last verified token); anchors may be empty."""
+        ...
+
+    def commit(self, result: VerifyResult) -> None:
+        """The step's verify result: committed rows go to the draft contexts."""
+        ...
+
+    def release(self, request_id: int) -> None:
+        """A request finished."""
+        ...
+
+
+class LocalDrafter:
+    """Colocated placement: this rank's DraftRuntime, whose step sync also gathers progress."""
+
+    def __init__(self, runtime: DraftRuntime):
+        self.runtime = runtime
+
+    def admit(self, request_id: int, prompt_features: torch.Tensor) -> None:
+        self.runtime.add_request(request_id, prompt_features)
+
+    def propose(self, step: int, anchors: Mapping[int, int], tokens_so_far: int) -> Drafted:
+        proposal = self.runtime.propose(step, anchors, extras=(len(anchors), tokens_so_far))
+        if proposal.plan.skip:
+            return Drafted({}, stop=True)
+        extras = proposal.plan.extras
+        progress = (sum(e[0] for e in extras), sum(1 for e in extras if e[0]), sum(e[1] for e in extras))
+        return Drafted(proposal.drafts, progress=progress)
+
+    def commit(self, result: VerifyResult) -> None:
+        self.runtime.commit(result)
+
+    def release(self, request_id: int) -> None:
+        self.runtime.release(request_id)
+
+
+@dataclasses.dataclass
+class _Active:
+    tokens: list[int]
+    accept_lens: list[int]
+    anchor: int
+
+
+def assign_prompts(prompt_lens: Sequence[int], max_new_tokens: int, num_ranks: int) -> list[list[int]]:
+    """Prompt indices per rank: longest first onto the least-loaded rank (by tokens to process).
+
+    Deterministic on every rank; counts come out uneven, as a real scheduler's do.
+    """
+    load = [0] * num_ranks
+    ranks: list[list[int]] = [[] for _ in range(num_ranks)]
+    for i in sorted(range(len(prompt_lens)), key=lambda i: (-prompt_lens[i], i)):
+        r = min(range(num_ranks), key=lambda r: (load[r], r))
+        ranks[r].append(i)
+        load[r] += prompt_lens[i] + max_new_tokens
+    return [sorted(r) for r in ranks]
+
+
+def serve_requests(
+    target: Target,
+    drafter: Drafter,
+    prompts: dict[int, list[int]],
+    *,
+    rank: int,
+    max_new_tokens: int,
+    timers: PhaseTimers,
+    progress_every_s: float = 2.0,
+) -> RankReport:
+    """Generate `max_new_tokens` for each of this rank's prompts (request id -> token ids).
+
+    A request the target refuses (empty prompt, id outside the vocabulary) is reported with its
+    error; the others still run. Every target rank calls this, an idle one with `prompts = {}`.
+    """
+    outcomes: dict[int, RequestOutcome] = {}
+    active: dict[int, _Active] = {}
+    for rid, prompt in prompts.items():
+        outcomes[rid] = RequestOutcome(request_id=rid, rank=rank)
+        try:
+            with timers.phase("prefill"):
+                pre = target.prefill([rid], [prompt])
+        except RequestError as e:
+            log.warning("%s", e)
+            outcomes[rid].error = str(e)
+            continue
+        drafter.admit(rid, pre.features)
+        first = int(pre.first_tokens[0])
+        active[rid] = _Active(tokens=[first], accept_lens=[], anchor=first)
+
+    step, start, last_report = 0, time.perf_counter(), time.perf_counter()
+    while True:
+        running = [rid for rid, a in active.items() if len(a.tokens) < max_new_tokens]
+        done_tokens = sum(len(a.tokens) for a in active.values())
+        drafted = drafter.propose(step, {rid: active[rid].anchor for rid in running}, done_tokens)
+        if drafted.stop:
+            break
+        if running:
+            blocks_NB = torch.stack(
+                [torch.cat([torch.tensor([active[r].anchor]), drafted.drafts[r].cpu()]) for r in running]
+            )
+            with timers.phase("verify"):
+                result = target.verify(running, blocks_NB)
+            drafter.commit(result)
+            for i, rid in enumerate(running):
+                a = active[rid]
+                a.tokens += result.emitted(i)
+                a.accept_lens.append(int(result.accept_lens[i]))
+                a.anchor = int(result.bonus[i])
+                if len(a.tokens) >= max_new_tokens:
+                    target.release(rid)
+                    drafter.release(rid)
+        now = time.perf_counter()
+        if rank == 0 and drafted.progress is not None and now - last_report >= progress_every_s:
+            requests, ranks, tokens = drafted.progress
+            log.info(
+                "step %d: %d requests running on %d ranks, %d tokens so far, %.0f tok/s",
+                step, requests, ranks, tokens, tokens / (now - start),
+            )  # fmt: skip
+            last_report = now
+        step += 1
+    loop_seconds = time.perf_counter() - start
+    for rid, a in active.items():
+        outcomes[rid].tokens = a.tokens[:max_new_tokens]
+        outcomes[rid].accept_lens = a.accept_lens
+    return RankReport(
+        rank=rank, steps=step, loop_seconds=loop_seconds, phases=timers.as_dict(), requests=list(outcomes.values())
+    )
+
+
+@torch.no_grad()
+def greedy_reference(target_model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The target's own greedy decode, token by token with its KV cache and no draft.
+
+    A plain loop rather than `generate`, whose EOS handling (`min_new_tokens` masks EOS logits)
+    would change the argmax this must equal.
+    """
+    from transformers import DynamicCache
+
+    device = target_model.get_input_embeddings().weight.device
+    cache = DynamicCache(config=target_model.config)
+    kw = cache_kwarg(target_model)
+    ids = torch.tensor([prompt], device=device)
+    tokens: list[int] = []
+    while len(tokens) < max_new_tokens:
+        logits = target_model(input_ids=ids, use_cache=True, **{kw: cache}).logits
+        tokens.append(int(logits[0, -1].argmax()))
+        ids = torch.tensor([[tokens[-1]]], device=device)
+    return tokens

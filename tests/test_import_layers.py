@@ -1,0 +1,108 @@
+"""DESIGN.md's layer order, enforced: every import in epdraft/ (module level or inside a function)
+goes down the list, and no two packages import each other.
+
+    cli, launch, run, check, bench  ->  worker  ->  runtime  ->  parallel, models, target
+        ->  layers, dispatch, loading, kernels  ->  config  ->  errors
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "epdraft"
+
+TIERS: tuple[tuple[str, ...], ...] = (
+    ("cli", "launch", "run", "check", "bench"),
+    ("worker",),
+    ("runtime",),
+    ("parallel", "models", "target"),
+    ("layers", "dispatch", "loading", "kernels"),
+    ("config",),
+    ("errors",),
+)
+TIER = {unit: i for i, units in enumerate(TIERS) for unit in units}
+
+
+def _unit(module: str) -> str | None:
+    """`epdraft.worker.job` -> `worker`; None for the root package itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "epdraft" else None
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _imports(path: Path, package: str | None = None) -> list[tuple[int, str]]:
+    """(line, imported module) for every absolute or relative import of epdraft in `path`
+    (`package`: the one relative imports resolve against, by default the file's own)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    if package is None:
+        package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("epdraft")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.startswith("epdraft"):
+                found.append((node.lineno, module))
+    return sorted(found)
+
+
+def _edges() -> list[tuple[str, int, str, str]]:
+    """(file, line, importing unit, imported unit) for every cross-unit import."""
+    edges = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        unit = _unit(_module_name(path))
+        if unit is None:  # epdraft/__init__.py re-exports the runtime lazily
+            continue
+        for line, module in _imports(path):
+            target = _unit(module)
+            if target is not None and target != unit:
+                edges.append((str(path.relative_to(PACKAGE.parent)), line, unit, target))
+    return edges
+
+
+def test_every_unit_has_a_tier():
+    units = {_unit(_module_name(p)) for p in PACKAGE.rglob("*.py")} - {None}
+    assert units <= set(TIER), f"add {sorted(units - set(TIER))} to TIERS (and to the README's layer order)"
+
+
+def test_no_import_runs_up_a_layer():
+    upward = [f"{f}:{line}: {u} imports {t}" for f, line, u, t in _edges() if TIER[t] < TIER[u]]
+    assert not upward, "imports that run up DESIGN.md's layer order:\n" + "\n".join(upward)
+
+
+def test_no_two_packages_import_each_other():
+    pairs = {(u, t) for _, _, u, t in _edges()}
+    mutual = sorted({tuple(sorted(p)) for p in pairs if (p[1], p[0]) in pairs})
+    assert not mutual, f"packages importing each other: {mutual}"
+
+
+def test_the_walk_sees_upward_and_function_level_imports(tmp_path):
+    """The checker itself: an import inside a function and a relative import are both found."""
+    path = PACKAGE / "layers" / "moe.py"
+    found = {m for _, m in _imports(path)}
+    assert "epdraft.dispatch" in found and "epdraft.loading" in found
+    sample = tmp_path / "x.py"
+    sample.write_text("def f():\n    from epdraft.worker.job import RunJob\n\nfrom ..runtime import draft\n")
+    assert _imports(sample, "epdraft.layers") == [(2, "epdraft.worker.job"), (4, "epdraft.runtime")]
+
+
+@pytest.mark.parametrize("module", ["epdraft", "epdraft.errors", "epdraft.cli"])
+def test_light_imports_load_no_torch(module):
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", f"import {module} loaded {out.strip()}"

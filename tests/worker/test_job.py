@@ -1,0 +1,61 @@
+"""The run job on each rank: the draft's config.json is read once and the planner runs once, per rank."""
+
+from __future__ import annotations
+
+import builtins
+import pathlib
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from tests.harness import run_ranks
+
+REPO = Path(__file__).resolve().parents[2]
+ASSETS = REPO / "epdraft" / "assets"
+
+
+def _counted_job(rank: int, world: int, layout: str) -> dict:
+    from epdraft.config.parallel import load_parallel_config
+    from epdraft.dispatch import planner
+    from epdraft.parallel.groups import Groups
+    from epdraft.worker.job import RunJob, run_job
+
+    pc = load_parallel_config(REPO / "configs" / "local-cpu-2.toml", [f"draft.moe_layout={layout}"])
+    groups = Groups.from_config(pc)
+    draft_config = (ASSETS / "tiny-draft" / "config.json").resolve()
+    reads = {"config.json": 0, "planner": 0}
+
+    def counting(original):
+        def wrapper(self_or_file, *args, **kwargs):
+            if Path(self_or_file).resolve() == draft_config:
+                reads["config.json"] += 1
+            return original(self_or_file, *args, **kwargs)
+
+        return wrapper
+
+    choose = planner.choose_for_config
+
+    def counted_choose(*args, **kwargs):
+        reads["planner"] += 1
+        return choose(*args, **kwargs)
+
+    job = RunJob(
+        draft=str(ASSETS / "tiny-draft"), target=str(ASSETS / "tiny-target"), prompts=str(ASSETS / "prompts.jsonl"),
+        max_new_tokens=4, max_prompts=3, check_lossless=False,
+    )  # fmt: skip
+    with (
+        mock.patch.object(pathlib.Path, "read_bytes", counting(pathlib.Path.read_bytes)),
+        mock.patch.object(pathlib.Path, "read_text", counting(pathlib.Path.read_text)),
+        mock.patch.object(builtins, "open", counting(builtins.open)),
+        mock.patch.object(planner, "choose_for_config", counted_choose),
+    ):
+        assert run_job(pc, "local-cpu-2.toml", groups, job)
+    return reads
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout,planner_runs", [("auto", 1), ("alltoall", 0)])
+def test_draft_config_read_once_and_planner_once_per_rank(layout, planner_runs):
+    counts = run_ranks(2, _counted_job, layout, timeout_s=200)
+    assert counts == [{"config.json": 1, "planner": planner_runs}] * 2
