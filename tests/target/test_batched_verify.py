@@ -41,7 +41,8 @@ def full_forward_verify(target, history: list[int], block: list[int]) -> tuple[i
 
 
 def sliding_target(family: str, window: int, seed: int = 2) -> HFTarget:
-    """A random tiny target whose layers slide over `window` positions: Qwen3 [sliding, full, sliding], or Mistral (all)."""
+    """A random tiny target whose layers slide over `window` positions: Qwen3 or gpt-oss [sliding, full,
+    sliding] (gpt-oss with attention sinks and MoE), or Mistral (all)."""
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=True,
@@ -50,6 +51,10 @@ def sliding_target(family: str, window: int, seed: int = 2) -> HFTarget:
         cfg = transformers.Qwen3Config(**common, use_sliding_window=True,
                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"])
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif family == "gpt_oss":
+        common |= {"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**common))
     else:
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**common))
     with torch.no_grad():
@@ -64,6 +69,7 @@ TARGETS = {
     "qwen3-sliding-3": lambda: sliding_target("qwen3", 3),   # window < block
     "qwen3-sliding-7": lambda: sliding_target("qwen3", 7),   # block < window < contexts
     "mistral-sliding-4": lambda: sliding_target("mistral", 4),
+    "gpt-oss-sliding-2": lambda: sliding_target("gpt_oss", 2),
 }
 
 
@@ -141,7 +147,7 @@ def test_the_window_changes_the_model():
         assert not torch.allclose(sliding.model(ids).logits, full(ids).logits, atol=1e-3)
 
 
-@pytest.mark.parametrize("target", ["qwen3-sliding-3", "mistral-sliding-4"])
+@pytest.mark.parametrize("target", ["qwen3-sliding-3", "mistral-sliding-4", "gpt-oss-sliding-2"])
 def test_batched_speculative_decoding_is_lossless_on_sliding_targets(target):
     """Three requests decoded together with a random draft, every verify batched: each equals HF generate."""
     from epdraft.models import DFlashDraft, DraftModelSpec
