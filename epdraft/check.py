@@ -1,8 +1,10 @@
-"""`epdraft check DRAFT_DIR_OR_CONFIG_JSON`: print the per-layer FFN plan a draft config asks for.
+"""`epdraft check DRAFT_DIR_OR_CONFIG_JSON`: print the per-layer plan a draft (or target) config asks for.
 
 Reads `DIR/config.json` (or the JSON file given), parses it exactly as the runtime does and prints,
 per layer (identical consecutive layers collapsed into a range): dense or MoE, experts x
-intermediate size, top-k, router, shared expert, activation and the routed experts' bf16 bytes.
+intermediate size, top-k, router (`hash` for a token-id-routed layer), shared expert, activation,
+the routed experts' bf16 bytes and the attention (full, or sliding with its window). A DFlash /
+DSpark draft's header adds its block size, readout, Markov head and confidence head.
 A config the runtime cannot run exits 2 with one line naming the key.
 """
 
@@ -14,9 +16,11 @@ from pathlib import Path
 from epdraft.config.ffn import ActivationSpec, DraftDenseFFNSpec, DraftMixFFNSpec, DraftMoeFFNSpec, FFNSpec, RouterSpec
 from epdraft.config.hf import parse_ffn_config, read_config_json
 from epdraft.errors import ConfigError
+from epdraft.models.spec import DraftModelSpec
 
 _BF16_BYTES = 2
-_COLUMNS = ("layers", "kind", "E x I", "top-k", "router", "shared expert", "activation", "experts (bf16)")
+_COLUMNS = ("layers", "kind", "E x I", "top-k", "router", "shared expert", "activation", "experts (bf16)", "attention")
+_DRAFT_KEYS = ("dflash_config", "dspark_config", "dspark_block_size", "dspark_markov_rank", "dspark_target_layer_ids")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,28 +30,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     config = read_config_json(args.path)
+    source = str(_config_file(args.path))
     try:
         spec = parse_ffn_config(config)
     except ConfigError as e:
-        raise ConfigError(f"{_config_file(args.path)}: {e}") from None
-    print(format_plan(spec, source=str(_config_file(args.path))))
+        raise ConfigError(f"{source}: {e}") from None
+    draft = DraftModelSpec.from_config(config, source=source) if any(k in config for k in _DRAFT_KEYS) else None
+    print(format_plan(spec, source=source, draft=draft, attention=None if draft else _target_attention(config, source)))
     return 0
 
 
-def format_plan(spec: DraftMixFFNSpec, source: str = "") -> str:
-    """The plan as text: a header, one row per run of identical layers, the total expert bytes."""
+def format_plan(
+    spec: DraftMixFFNSpec,
+    source: str = "",
+    *,
+    draft: DraftModelSpec | None = None,
+    attention: tuple[str, ...] | None = None,
+) -> str:
+    """The plan as text: a header, one row per run of identical layers, the total expert bytes.
+
+    `draft` (a DFlash / DSpark draft's spec) adds its block, readout and heads to the header and
+    gives each layer's attention; else `attention` (per layer, e.g. from a target's layer_types).
+    """
+    if draft is not None:
+        attention = tuple("full" if draft.window(i) is None else f"sliding {draft.window(i)}" for i in range(draft.num_layers))
+    attention = attention or ("full",) * spec.num_layers
     rows = [_COLUMNS]
     total = 0
-    for first, last, layer in _runs(spec.layers):
+    for first, last, (layer, attn) in _runs(tuple(zip(spec.layers, attention))):
         layer_bytes = _expert_bytes(layer, spec.hidden_size)
         total += layer_bytes * (last - first + 1)
         span = str(first) if first == last else f"{first}-{last}"
-        rows.append((span, *_describe(layer), _human(layer_bytes) if layer_bytes else "-"))
+        rows.append((span, *_describe(layer), _human(layer_bytes) if layer_bytes else "-", attn))
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     num_moe = len(spec.moe_layers)
     header = (f"{source + ': ' if source else ''}family {spec.family}, hidden {spec.hidden_size}, "
               f"{spec.num_layers} layers ({spec.num_layers - num_moe} dense, {num_moe} MoE)")
+    if draft is not None:
+        header += "; " + _draft_summary(draft)
     footer = f"routed expert weights (bf16): {_human(total)} total ({total} bytes)"
     return "\n".join([header, *table, footer])
 
@@ -57,9 +78,31 @@ def _config_file(path: str) -> Path:
     return p / "config.json" if p.is_dir() else p
 
 
-def _runs(layers: tuple[FFNSpec, ...]) -> list[tuple[int, int, FFNSpec]]:
-    """(first, last, spec) for each run of equal consecutive layer specs."""
-    runs: list[tuple[int, int, FFNSpec]] = []
+def _draft_summary(d: DraftModelSpec) -> str:
+    """e.g. `dspark block 7, mask_filling readout (6 drafts), markov gated r256, confidence head (+markov)`."""
+    text = f"{d.kind} block {d.block_size}, {d.readout} readout ({d.num_drafts} drafts)"
+    if d.markov_rank:
+        text += f", markov {d.markov_head_type} r{d.markov_rank}"
+    if d.enable_confidence_head:
+        text += ", confidence head" + (" (+markov)" if d.confidence_head_with_markov else "")
+    return text
+
+
+def _target_attention(config: dict, source: str) -> tuple[str, ...] | None:
+    """Per layer `full` / `sliding W` from an HF config's layer_types and sliding_window; None without layer_types."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    types, window = text.get("layer_types"), text.get("sliding_window")
+    if not types:
+        return None
+    if "sliding_attention" in types and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+        raise ConfigError(f"{source}: sliding_window = {window!r} must be a positive integer")
+    return tuple(f"sliding {window}" if t == "sliding_attention" else "full" if t == "full_attention" else t
+                 for t in types)
+
+
+def _runs(layers: tuple) -> list[tuple[int, int, object]]:
+    """(first, last, item) for each run of equal consecutive items."""
+    runs: list[tuple[int, int, object]] = []
     for i, layer in enumerate(layers):
         if runs and runs[-1][2] == layer:
             runs[-1] = (runs[-1][0], i, layer)
@@ -81,8 +124,9 @@ def _describe(layer: FFNSpec) -> tuple[str, ...]:
 
 
 def _router(router: RouterSpec) -> str:
-    """e.g. `softmax renorm`, `sigmoid renorm noaux_tc groups 8/4 x2.5`, `softmax_topk logit-bias`."""
-    parts = [router.scoring]
+    """e.g. `softmax renorm`, `sigmoid renorm noaux_tc groups 8/4 x2.5`, `softmax_topk logit-bias`,
+    `hash sqrtsoftplus renorm x1.5` (experts from tid2eid)."""
+    parts = (["hash"] if router.hash_routed else []) + [router.scoring]
     if router.norm_topk_prob and router.scoring != "softmax_topk":
         parts.append("renorm")
     parts += {"none": [], "selection": ["noaux_tc"], "logit": ["logit-bias"]}[router.bias]

@@ -53,6 +53,34 @@ def test_plan_columns_per_family(capsys):
     assert "sqrtsoftplus renorm noaux_tc x1.5" in out and "swiglu clamp 10" in out
 
 
+def test_draft_variants_in_the_plan(capsys, tmp_path):
+    """Sliding layers, hash layers and the DSpark heads and readout show in the plan."""
+    types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    config = _with("deepseek-v4-flash-dspark-moe", layer_types=types, sliding_window=2048, num_hash_layers=2)
+    config["dflash_config"] |= {"markov_head_type": "rnn", "mask_filling": False, "confidence_head_with_markov": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, out, err = run_check(capsys, path)
+    assert code == 0, err
+    header, columns, *rows, _ = out.strip().splitlines()
+    assert "dspark block 7, autoregressive readout (7 drafts), markov rnn r256, confidence head" in header
+    assert "(+markov)" not in header and columns.split()[-1] == "attention"
+    assert [r.split()[0] for r in rows] == ["0-1", "2", "3", "4"]
+    assert "hash sqrtsoftplus renorm x1.5" in rows[0] and rows[0].endswith("sliding 2048")
+    assert "hash" not in rows[1] and "noaux_tc" in rows[1] and rows[1].endswith("full")
+    assert rows[2].endswith("sliding 2048") and rows[3].endswith("full")
+
+
+def test_target_sliding_layers_in_the_plan(capsys, tmp_path):
+    config = _with("qwen3-30b-a3b", layer_types=["full_attention", "sliding_attention"] * 24, sliding_window=128)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, out, _ = run_check(capsys, path)
+    rows = out.strip().splitlines()[2:-1]
+    assert code == 0 and len(rows) == 48
+    assert rows[0].endswith("full") and rows[1].endswith("sliding 128") and rows[1].split()[0] == "1"
+
+
 def test_directory_reads_its_config_json(capsys, tmp_path):
     (tmp_path / "config.json").write_text((FIXTURES / "mixtral-8x7b.json").read_text())
     code, out, _ = run_check(capsys, tmp_path)
@@ -74,7 +102,15 @@ MALFORMED = [
     (_with("mixtral-8x7b", hidden_act="gelu"), "hidden_act = 'gelu'"),
     (_with("qwen2-57b-a14b", shared_expert_intermediate_size=0), "shared_expert_intermediate_size = 0"),
     (_with("qwen3-30b-a3b", moe_intermediate_size=-4), "moe_intermediate_size = -4"),
-    (_with("deepseek-v4-flash", num_hash_layers=3), "num_hash_layers = 3"),
+    (_with("deepseek-v4-flash", num_hash_layers=44), "num_hash_layers = 44"),
+    (_with("deepseek-v4-flash", num_hash_layers=2, first_k_dense_replace=1), "layers [0] are dense"),
+    (_with("deepseek-v4-flash", mlp_layer_types=["hash"] + ["moe"] * 42), "mlp_layer_types[0] = 'hash'"),
+    (_with("qwen3.8-27b-dspark-moe", layer_types=["sliding_attention"] * 5, sliding_window=0), "sliding_window = 0"),
+    (_with("qwen3.8-27b-dspark-moe", layer_types=["sliding_attention"] * 5), "sliding_window is missing"),
+    (_with("qwen3.8-27b-dspark-moe", layer_types=["full_attention", "local"] + ["full_attention"] * 3), "layer_types[1] = 'local'"),
+    (_with("qwen3.8-27b-dspark-moe", markov_head_type="lstm"), "markov_head_type = 'lstm'"),
+    (_with("qwen3.8-27b-dspark-moe", dspark_block_size=9), "dspark_block_size = 9 contradicts block_size = 7"),
+    (_with("qwen3-30b-a3b", layer_types=["sliding_attention"] * 48, sliding_window=-1), "sliding_window = -1"),
     (_with("gpt-oss-20b", quantization_config={"quant_method": "mxfp4"}), "mxfp4"),
     (_with("qwen3.8-27b-dspark-moe", n_shared_experts=2), "n_shared_experts = 2"),
     (_with("qwen3.8-27b-dspark-moe", scoring_func="tanh"), "scoring_func = 'tanh'"),

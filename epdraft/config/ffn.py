@@ -11,6 +11,8 @@ from typing import Annotated, Literal, Union
 
 import msgspec
 
+from epdraft.errors import ConfigError
+
 ScoringFunc = Literal["softmax", "sigmoid", "sqrtsoftplus", "softmax_topk"]
 """`softmax_topk` is gpt-oss: softmax over the k selected logits only (no renorm, no scale)."""
 
@@ -32,7 +34,12 @@ class ActivationSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 
 class RouterSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Top-k routing: fp32 logits -> scores -> (biased, group-limited) selection -> weights."""
+    """Top-k routing: fp32 logits -> scores -> (biased, group-limited) selection -> weights.
+
+    `hash_routed` (DeepSeek-V4's first `num_hash_layers` layers): the experts are `tid2eid[token id]`
+    (an int64 table [vocab_size, top_k]) instead of a selection; the weights still come from the
+    scores of those experts, renormalized and scaled as for a top-k layer.
+    """
 
     num_experts: Annotated[int, msgspec.Meta(ge=1)]
     top_k: Annotated[int, msgspec.Meta(ge=1)]
@@ -43,6 +50,15 @@ class RouterSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     n_group: Annotated[int, msgspec.Meta(ge=1)] = 1
     topk_group: Annotated[int, msgspec.Meta(ge=1)] = 1
     bias: RouterBias = "none"
+    hash_routed: bool = False
+    vocab_size: Annotated[int, msgspec.Meta(ge=0, description="rows of tid2eid (hash-routed layers)")] = 0
+
+    def __post_init__(self) -> None:
+        if self.hash_routed and (self.vocab_size < 1 or self.bias == "selection" or self.scoring == "softmax_topk"):
+            raise ConfigError(
+                f"hash-routed router: needs vocab_size >= 1 (got {self.vocab_size}), no selection bias "
+                f"(got {self.bias!r}) and scores per expert (got scoring {self.scoring!r})"
+            )
 
     @property
     def group_limited(self) -> bool:

@@ -1,7 +1,7 @@
 """HF / SpecForge config.json -> `DraftMixFFNSpec`: one FFN spec per decoder layer.
 
-Every value is type-checked and cross-checked here, once: what the runtime cannot run (hash-routed
-layers, quantized experts, impossible groupings) is refused with a `ConfigError` naming the key and
+Every value is type-checked and cross-checked here, once: what the runtime cannot run (quantized
+experts, impossible groupings, a hash-routed layer that is not MoE) is refused with a `ConfigError` naming the key and
 its value, so nothing downstream meets a bad spec in the middle of a collective. What each family
 reads and hardcodes is the table in `epdraft.config.hf_families`.
 """
@@ -110,8 +110,13 @@ def parse_ffn_config(config: dict) -> DraftMixFFNSpec:
                                layers=(dense,) * num_layers)
     family = _detect_family(config)
     moe = _moe_spec(view, family, count)
-    is_moe = _moe_schedule(view, family, num_layers)
-    layers: tuple[FFNSpec, ...] = tuple(moe if m else _dense_spec(view) for m in is_moe)
+    kinds = _moe_schedule(view, family, num_layers)
+    by_kind: dict[str, FFNSpec] = {"moe": moe}
+    if "dense" in kinds:
+        by_kind["dense"] = _dense_spec(view)
+    if "hash_moe" in kinds:
+        by_kind["hash_moe"] = _hash_spec(view, moe)
+    layers: tuple[FFNSpec, ...] = tuple(by_kind[k] for k in kinds)
     name = family.name
     if family is SPECFORGE and view.has("moe_preset"):
         name = f"specforge/{view.get('moe_preset', str)}"
@@ -255,14 +260,21 @@ def _dense_spec(view: _View) -> DraftDenseFFNSpec:
     return DraftDenseFFNSpec(intermediate_size=view.get("intermediate_size", PosInt))
 
 
-def _moe_schedule(view: _View, family: Family, num_layers: int) -> list[bool]:
-    """Per layer: MoE (True) or dense, from a layer-type list or the HF schedule keys."""
+def _hash_spec(view: _View, moe: DraftMoeFFNSpec) -> DraftMoeFFNSpec:
+    """The MoE spec of a hash-routed layer: `moe`'s, with experts from `tid2eid` (no selection bias:
+    DeepSeek-V4's hash layers carry `gate.tid2eid` and no `gate.bias`)."""
+    router = _convert(RouterSpec, {**msgspec.structs.asdict(moe.router), "hash_routed": True, "bias": "none",
+                                   "vocab_size": view.get("vocab_size", PosInt)})
+    return msgspec.structs.replace(moe, router=router)
+
+
+def _moe_schedule(view: _View, family: Family, num_layers: int) -> list[str]:
+    """Per layer: "dense", "moe" or "hash_moe", from a layer-type list or the HF schedule keys.
+
+    `num_hash_layers` N makes the first N layers hash-routed (DeepSeek-V4); they must be MoE layers.
+    """
     lists = [k for k in _LAYER_TYPE_KEYS if view.has(k)]
     num_hash = view.get("num_hash_layers", NonNegInt, family.hash_layers if not lists else 0)
-    if num_hash:
-        default = "" if view.has("num_hash_layers") else f" (absent: the {family.name} default)"
-        raise ConfigError(f"{view.path('num_hash_layers')} = {num_hash}{default}: hash-routed MoE layers "
-                          "(hash_moe, token-id router) are not supported")
     first_dense = view.get("first_k_dense_replace", NonNegInt, 0)
     freq = view.get("moe_layer_freq", PosInt, 1)
     step = view.get("decoder_sparse_step", PosInt, 1)
@@ -278,21 +290,29 @@ def _moe_schedule(view: _View, family: Family, num_layers: int) -> list[bool]:
         if len(kinds) != num_layers:
             raise ConfigError(f"{view.path(key)} has {len(kinds)} entries, num_hidden_layers = {num_layers}")
         for i, kind in enumerate(kinds):
-            if kind == "hash_moe":
-                raise ConfigError(f"{view.path(key)}[{i}] = 'hash_moe': hash-routed MoE layers (token-id router) "
-                                  "are not supported")
-            if kind not in ("dense", "moe"):
-                raise ConfigError(f"{view.path(key)}[{i}] = {kind!r}: expected 'dense' or 'moe'")
-        return [kind == "moe" for kind in kinds]
+            if kind not in ("dense", "moe", "hash_moe"):
+                raise ConfigError(f"{view.path(key)}[{i}] = {kind!r}: expected 'dense', 'moe' or 'hash_moe'")
+        if view.has("num_hash_layers") and num_hash != kinds.count("hash_moe"):
+            raise ConfigError(f"{view.path('num_hash_layers')} = {num_hash} but {view.path(key)} has "
+                              f"{kinds.count('hash_moe')} 'hash_moe' layers")
+        return kinds
     for layer in mlp_only:
         if layer >= num_layers:
             raise ConfigError(f"{view.path('mlp_only_layers')} has {layer}, num_hidden_layers = {num_layers}")
     # Qwen2/3-MoE: not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0;
     # DeepSeek: i >= first_k_dense_replace and i % moe_layer_freq == 0. Absent keys are neutral.
-    return [
-        i not in mlp_only and (i + 1) % step == 0 and i >= first_dense and i % freq == 0
+    kinds = [
+        "moe" if i not in mlp_only and (i + 1) % step == 0 and i >= first_dense and i % freq == 0 else "dense"
         for i in range(num_layers)
     ]
+    default = "" if view.has("num_hash_layers") else f" (absent: the {family.name} default)"
+    if num_hash > num_layers:
+        raise ConfigError(f"{view.path('num_hash_layers')} = {num_hash}{default} exceeds num_hidden_layers = {num_layers}")
+    dense = [i for i in range(num_hash) if kinds[i] == "dense"]
+    if dense:
+        raise ConfigError(f"{view.path('num_hash_layers')} = {num_hash}{default}: layers {dense} are dense, "
+                          "a hash-routed layer must be a MoE layer")
+    return ["hash_moe"] * num_hash + kinds[num_hash:]
 
 
 def _convert(cls: type, fields: dict[str, Any]) -> Any:

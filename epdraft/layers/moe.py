@@ -71,14 +71,17 @@ class DraftMoE(nn.Module):
     def expert_shard(self) -> ExpertShard:
         return self.experts.shard
 
-    def forward(self, x_TH: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
+    def forward(
+        self, x_TH: torch.Tensor, plan: StepPlan | None = None, input_ids_T: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x_TH [T, H] -> [T, H] in x's dtype; `plan` is the step's agreed row counts (any
-        communicating layout needs it, replicated ignores it).
+        communicating layout needs it, replicated ignores it); input_ids_T [T] int64 the rows' token
+        ids, which a hash-routed layer routes by (routing is local, before dispatch: no layout needs them).
 
         T = 0 still routes, dispatches and combines: every rank of the MoE group enters every
         collective of every layer, or the ranks with tokens hang.
         """
-        ids_TK, weights_TK = self.router(x_TH)
+        ids_TK, weights_TK = self.router(x_TH, input_ids_T)
         dispatcher = self.dispatcher
         handle = dispatcher.dispatch(x_TH, ids_TK, weights_TK, plan)
         y_TH = dispatcher.combine(self.experts(handle.rows_RH, handle.ids_RK, handle.weights_RK), handle)

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from epdraft.config.ffn import RouterSpec
-from epdraft.layers.routing import route
+from epdraft.errors import ConfigError
+from epdraft.layers.routing import hash_route, route
 
 
 class Router(nn.Module):
@@ -15,7 +16,8 @@ class Router(nn.Module):
 
     Parameters are fp32 whatever the model dtype (`weight [E, H]`, `bias [E]` when
     `spec.bias != "none"`): the logits are computed in fp32 so every rank and every
-    implementation picks the same experts on near-ties.
+    implementation picks the same experts on near-ties. A hash-routed router also holds
+    `tid2eid [vocab, K]` int64 (the experts of each token id; a parameter so the loader fills it).
     """
 
     def __init__(self, spec: RouterSpec, hidden_size: int, *, device: torch.device | str | None = None) -> None:
@@ -28,21 +30,33 @@ class Router(nn.Module):
         if spec.bias != "none":
             bias_E = torch.zeros(spec.num_experts, dtype=torch.float32, device=device)
             self.bias = nn.Parameter(bias_E, requires_grad=False)
+        self.tid2eid: nn.Parameter | None = None
+        if spec.hash_routed:
+            table_VK = torch.zeros(spec.vocab_size, spec.top_k, dtype=torch.long, device=device)
+            self.tid2eid = nn.Parameter(table_VK, requires_grad=False)
 
-    def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x_TH: torch.Tensor, input_ids_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Route tokens.
 
         Args:
             x_TH: [T, H] hidden states in any float dtype; T may be 0.
+            input_ids_T: [T] int64 token ids of the rows; required by (only used by) a hash-routed router.
         Returns:
             (ids_TK int64 global expert ids, weights_TK fp32 final combine weights).
+        Raises:
+            ConfigError: a hash-routed router called without the token ids.
         """
         logits_TE = F.linear(x_TH.float(), self.weight.float())
         if self.spec.bias == "logit":
             logits_TE = logits_TE + self.bias
+        if self.tid2eid is not None:
+            if input_ids_T is None or input_ids_T.shape != x_TH.shape[:1]:
+                got = None if input_ids_T is None else list(input_ids_T.shape)
+                raise ConfigError(f"hash-routed router: needs input_ids_T [{x_TH.shape[0]}], got {got}")
+            return hash_route(logits_TE, self.tid2eid[input_ids_T.to(self.tid2eid.device)], self.spec)
         selection_bias = self.bias if self.spec.bias == "selection" else None
         return route(logits_TE, self.spec, selection_bias)
 
     def extra_repr(self) -> str:
         s = self.spec
-        return f"E={s.num_experts}, K={s.top_k}, scoring={s.scoring}, bias={s.bias}"
+        return f"E={s.num_experts}, K={s.top_k}, scoring={s.scoring}, bias={s.bias}" + (", hash" if s.hash_routed else "")

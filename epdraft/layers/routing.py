@@ -66,3 +66,19 @@ def route(
     if spec.norm_topk_prob:
         weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + spec.renorm_eps)
     return ids_TK, weights_TK * spec.routed_scaling_factor
+
+
+def hash_route(logits_TE: torch.Tensor, ids_TK: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine weights of a hash-routed layer, whose experts are given (`tid2eid[token id]`).
+
+    Args:
+        logits_TE: [T, E] router logits (a logit bias already added).
+        ids_TK: [T, K] int64 global expert ids of each token, from the token-id table.
+        spec: the router's spec (`hash_routed`).
+    Returns:
+        (ids_TK, weights_TK fp32): the scores of the given experts, renormalized and scaled as `route` does.
+    """
+    weights_TK = score(logits_TE, spec.scoring).gather(1, ids_TK)
+    if spec.norm_topk_prob:
+        weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + spec.renorm_eps)
+    return ids_TK, weights_TK * spec.routed_scaling_factor

@@ -103,6 +103,17 @@ def _copy(
     raise AssertionError(f"unknown form {form!r}")
 
 
+def _check_token_table(table: torch.Tensor, name: str, num_experts: int) -> None:
+    """A hash layer's `tid2eid [vocab, K]` must be integer expert ids in [0, E): anything else routes
+    tokens to experts that do not exist (an out-of-range gather, or a hang in the dispatch)."""
+    if table.dtype.is_floating_point or table.dtype == torch.bool:
+        raise LoadError(f"{name}: expected integer expert ids, found dtype {table.dtype}")
+    if table.numel() and (int(table.min()) < 0 or int(table.max()) >= num_experts):
+        raise LoadError(
+            f"{name}: expert ids must lie in [0, {num_experts}), found [{int(table.min())}, {int(table.max())}]"
+        )
+
+
 def load_into(module: nn.Module, tensors: Mapping[str, torch.Tensor] | TensorSource, layer_id: int | None) -> set[str]:
     """Copy every tensor of `tensors` that belongs to `module` (FFN of layer `layer_id`).
 
@@ -136,6 +147,8 @@ def load_into(module: nn.Module, tensors: Mapping[str, torch.Tensor] | TensorSou
                 raise LoadError(
                     f"{name}: expected shape {list(expected)}, found {list(found)} (layer {layer_id}, slot {rule.slot})"
                 )
+            if rule.slot == "router.tid2eid":
+                _check_token_table(source.get(name), name, shard.num_experts)
             pieces = _copy(source, name, form, rule.part, expert, param, shard)
             if pieces is not None:
                 module.loaded_pieces.update((rule.slot, g, p) for g, p in pieces)

@@ -51,6 +51,7 @@ MOE_RULES: tuple[Rule, ...] = (
     _rule(r"(?:gate|router)\.weight", "router.weight"),
     # One key, two meanings (selection or logit bias): the spec says which; the tensor is the same.
     _rule(r"gate\.(?:bias|e_score_correction_bias|balance\.bias)|router\.bias", "router.bias"),
+    _rule(r"(?:gate|router)\.tid2eid", "router.tid2eid"),
     *(_rule(rf"experts\.(\d+)\.{pat}\.weight", "experts.w2" if part == "down" else "experts.w13", "expert", part)
       for part, pat in _PROJ),
     *(_rule(rf"experts\.{pat}", "experts.w2" if part == "down" else "experts.w13", "stacked", part)
@@ -90,6 +91,7 @@ def match(relative: str, rules: tuple[Rule, ...]) -> tuple[Rule, int | None] | N
 _DISPLAY = {
     ("router.weight", ""): "gate.weight",
     ("router.bias", ""): "gate.bias",
+    ("router.tid2eid", ""): "gate.tid2eid",
     ("experts.w13", "gate"): "experts.{g}.gate_proj.weight",
     ("experts.w13", "up"): "experts.{g}.up_proj.weight",
     ("experts.w2", "down"): "experts.{g}.down_proj.weight",

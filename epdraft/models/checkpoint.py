@@ -94,6 +94,12 @@ def load_draft_weights(model: DFlashDraft, source: TensorSource, *, origin: str 
         except LoadError as e:
             missing.append(str(e))
     unused += [n for n in ffn_names if n not in consumed]
+    foreign_markov = sorted(n for n in unused if _strip(n).startswith("markov_head."))
+    if foreign_markov:
+        # A Markov tensor of another head type means the config names the wrong head: serving the
+        # head it names would draft with a different model than the one trained.
+        raise LoadError(f"{origin}: {', '.join(foreign_markov)}: no such tensor in a "
+                        f"markov_head_type = {model.spec.markov_head_type!r} head (check the config)")
     if missing:
         raise LoadError(f"{origin}: partial export, {len(missing)} missing: {'; '.join(missing)}")
     if unused:

@@ -2,8 +2,12 @@
 
 One propose step per rank: the block [anchor, MASK x (B-1)] of every request of the rank is embedded
 with the target's embedding, runs through the layers (attention per request over its cached
-context, the FFN once over ALL the rank's rows), and the target's lm_head reads rows 1..B-1 out as
-B-1 greedy drafts (mask-filling readout).
+context, the FFN once over ALL the rank's rows), and the target's lm_head reads the drafts out:
+rows 1..B-1 as B-1 greedy drafts (mask-filling readout) or rows 0..B-1 as B (autoregressive).
+
+Full-attention layers see the whole context and the whole block; sliding-window layers see the
+context within the window of each query's position and the block causally (SpecForge's training
+mask), and cache only the last W-1 context rows.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ class DFlashLayer(nn.Module):
         )
         self.post_attention_layernorm = RMSNorm(H, spec.rms_norm_eps, **kw)
         self.mlp: DraftMLP | DraftMoE = build_ffn(spec.ffn, layer_id, H, dtype=dtype, device=device, dispatcher=dispatcher)
+        self.window = spec.window(layer_id)
+        self.token_routed = isinstance(self.mlp, DraftMoE) and self.mlp.spec.router.hash_routed
 
     def forward(
         self,
@@ -74,16 +80,26 @@ class DFlashLayer(nn.Module):
         v_ctx_NgLD: torch.Tensor,
         allowed_NQS: torch.Tensor | None = None,
         plan: StepPlan | None = None,
+        input_ids_NQ: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [N, Q, H] -> [N, Q, H]; attention is skipped for N = 0, the FFN never is (it gets the
-        step's `plan`, which a communicating MoE layer needs)."""
+        step's `plan`, which a communicating MoE layer needs).
+
+        input_ids_NQ: the rows' token ids, which a hash-routed MoE layer routes by (else unused).
+        """
         N, Q, H = x_NQH.shape
         if N:
             x_NQH = x_NQH + self.self_attn(
                 self.input_layernorm(x_NQH), positions_NQ, k_ctx_NgLD, v_ctx_NgLD, allowed_NQS
             )
         # The FFN runs even with no rows: a MoE layer's collectives must be entered by every rank.
-        y_TH = self.mlp(self.post_attention_layernorm(x_NQH).reshape(N * Q, H), plan)
+        h_TH = self.post_attention_layernorm(x_NQH).reshape(N * Q, H)
+        if self.token_routed:
+            if input_ids_NQ is None:
+                raise ConfigError(f"layer {self.mlp.layer_id} is hash-routed: it needs the rows' token ids")
+            y_TH = self.mlp(h_TH, plan, input_ids_NQ.reshape(N * Q))
+        else:
+            y_TH = self.mlp(h_TH, plan)
         return x_NQH + y_TH.view(N, Q, H)
 
     def forward_pooled(
@@ -121,8 +137,6 @@ class DFlashDraft(nn.Module):
         dispatcher: Dispatcher | None = None,
     ):
         super().__init__()
-        if any(t != "full_attention" for t in spec.layer_types):
-            raise ConfigError(f"layer_types {list(spec.layer_types)}: only full_attention draft layers are supported")
         self.spec = spec
         H = spec.hidden_size
         self.fc = nn.Linear(spec.num_target_features * H, H, bias=False, dtype=dtype, device=device)
@@ -141,8 +155,13 @@ class DFlashDraft(nn.Module):
         """Where the draft's weights (and so its inputs) live."""
         return self.fc.weight.device
 
+    @property
+    def num_drafts(self) -> int:
+        """Drafts `propose` returns per request: B-1 (mask-filling readout) or B (autoregressive)."""
+        return self.spec.num_drafts
+
     def new_cache(self) -> DraftCache:
-        return DraftCache(self.spec.num_layers)
+        return DraftCache(self.spec.num_layers, [self.spec.window(i) for i in range(self.spec.num_layers)])
 
     def fuse_features(self, features_LF: torch.Tensor) -> torch.Tensor:
         """target_hidden [..., H] = hidden_norm(fc(features)), features [..., K*H] in target_layer_ids order."""
@@ -167,6 +186,7 @@ class DFlashDraft(nn.Module):
         ).unsqueeze(0)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.context_kv(target_hidden, positions)
+            # A sliding layer's cache keeps only the last W-1 of these rows (DraftCache.append).
             for cache, k_gLD, v_gLD in zip(caches, k[0].split(lens, dim=1), v[0].split(lens, dim=1)):
                 if k_gLD.shape[1]:
                     cache.append(i, k_gLD, v_gLD)
@@ -233,16 +253,24 @@ class DFlashDraft(nn.Module):
         target_hidden_NLH: torch.Tensor,
         ctx_positions_NL: torch.Tensor,
         allowed_NQS: torch.Tensor | None = None,
+        *,
+        sliding_allowed_NQS: torch.Tensor | None = None,
+        input_ids_NQ: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Uncached forward (training, tests): final-normed hidden [N, Q, H] of the query rows.
 
         target_hidden_NLH is already fused (`fuse_features`); allowed_NQS masks keys (context, then
-        query rows), e.g. SpecForge's training mask of many blocks over one sequence.
+        query rows) of the full-attention layers, sliding_allowed_NQS those of the sliding-window
+        layers (required when there are any), e.g. SpecForge's training mask of many blocks over
+        one sequence. input_ids_NQ: the query rows' token ids (hash-routed MoE layers need them).
         """
+        if sliding_allowed_NQS is None and self.spec.sliding_window is not None:
+            raise ConfigError("this draft has sliding_attention layers: pass their mask as sliding_allowed_NQS")
         x = x_NQH
         for layer in self.layers:
             k, v = layer.self_attn.context_kv(target_hidden_NLH, ctx_positions_NL)
-            x = layer(x, positions_NQ, k, v, allowed_NQS)
+            mask = allowed_NQS if layer.window is None else sliding_allowed_NQS
+            x = layer(x, positions_NQ, k, v, mask, input_ids_NQ=input_ids_NQ)
         return self.norm(x)
 
     def block_hidden(
@@ -256,27 +284,34 @@ class DFlashDraft(nn.Module):
         x = heads.embed(ids_NB).to(self.fc.weight.dtype)
         starts = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
         positions_NB = starts.unsqueeze(1) + torch.arange(B, device=device)
-        allowed = context_mask(caches, B, device)
-        scratch = ContextScratch()
+        # One mask and one scratch per attention kind (full, or the sliding window): their widths differ.
+        masks: dict[int | None, torch.Tensor] = {}
+        scratches: dict[int | None, ContextScratch] = {}
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            k, v = padded_context(caches, i, x, attn.num_kv_heads, attn.head_dim, scratch)
-            x = layer(x, positions_NB, k, v, allowed, plan)
+            attn, w = layer.self_attn, layer.window
+            if w not in masks:
+                masks[w], scratches[w] = context_mask(caches, B, device, w), ContextScratch()
+            k, v = padded_context(caches, i, x, attn.num_kv_heads, attn.head_dim, scratches[w])
+            x = layer(x, positions_NB, k, v, masks[w], plan, ids_NB)
         return self.norm(x)
 
-    def readout(self, hidden_NQH: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads) -> torch.Tensor:
-        """Greedy drafts [N, B-1] from the hidden of block rows 1..B-1 (mask-filling readout)."""
-        return heads.lm_head(hidden_NQH).argmax(dim=-1)
+    def draft_rows(self, hidden_NBH: torch.Tensor) -> torch.Tensor:
+        """The block rows that draft a token, in order: rows 1..B-1 (mask-filling) or 0..B-1 (autoregressive)."""
+        return hidden_NBH[:, 1:] if self.spec.readout == "mask_filling" else hidden_NBH
+
+    def readout(self, hidden_NkH: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads) -> torch.Tensor:
+        """Greedy drafts [N, k] from the hidden of the drafting rows (`draft_rows`)."""
+        return heads.lm_head(hidden_NkH).argmax(dim=-1)
 
     @torch.no_grad()
     def propose(
         self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None = None
     ) -> torch.Tensor:
-        """B-1 greedy drafts [N, B-1] int64 per request; N may be 0 (every FFN still runs once).
+        """`num_drafts` greedy drafts [N, num_drafts] int64 per request; N may be 0 (every FFN still runs once).
 
         caches[i] holds request i's context (its `length` is the anchor's position); anchors_N [N]
         are the last verified tokens (the verify's bonus, or prefill's first token); `plan` is the
         step's agreed row counts, passed to every MoE layer (None: a single process).
         """
         hidden = self.block_hidden(caches, anchors_N, heads, plan)
-        return self.readout(hidden[:, 1:], anchors_N, heads)
+        return self.readout(self.draft_rows(hidden), anchors_N, heads)

@@ -1,42 +1,76 @@
 """DSparkDraft: DFlash plus a low-rank Markov head over the previous token, and a confidence head.
 
-Inside the block the readout is semi-autoregressive without another backbone pass:
-    prev_0 = anchor;  logits_k = base_logits[:, k] + markov_w2(markov_w1(prev_k));  prev_{k+1} = argmax(logits_k)
-with base_logits = lm_head(hidden of block rows 1..B-1) (SpecForge `dspark.py`, SGLang `models/dspark.py`).
+Inside the block the readout is semi-autoregressive without another backbone pass: with
+base_k = lm_head(h_k), h_k the hidden row that drafts token k+1 and prev_0 = the anchor,
+    logits_k = base_k + markov_w2(latent_k);  prev_{k+1} = argmax(logits_k)
+where latent_k depends on the head type (SpecForge `dspark_heads.py`, SGLang `models/dspark.py`):
+    vanilla: e_k = markov_w1(prev_k)
+    gated:   sigmoid(gate_proj([h_k, e_k])) * e_k
+    rnn:     g, c, o = joint_proj([s_k, e_k, h_k]);  s_{k+1} = sig(g) s_k + (1 - sig(g)) tanh(c);  tanh(o)
+             with s_0 = 0.
+Math runs in fp32 whatever the model dtype.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from epdraft.dispatch import Dispatcher
+from epdraft.dispatch import Dispatcher, StepPlan
 from epdraft.errors import ConfigError
+from epdraft.models.cache import DraftCache
 from epdraft.models.dflash import DFlashDraft, TargetHeads
 from epdraft.models.spec import DraftModelSpec
 
 
-def markov_logits(base_NV: torch.Tensor, prev_N: torch.Tensor, w1_Vr: torch.Tensor, w2_Vr: torch.Tensor) -> torch.Tensor:
-    """Vanilla Markov head: base [N, V] + markov_w2(markov_w1(prev)) [N, V], in fp32."""
-    return base_NV.float() + (w1_Vr[prev_N].float() @ w2_Vr.float().T)
+def gated_latent(e_Nr: torch.Tensor, h_NH: torch.Tensor, w_rX: torch.Tensor, b_r: torch.Tensor) -> torch.Tensor:
+    """Gated head: sigmoid(W [h, e] + b) * e, W = gate_proj.weight [r, H + r] (hidden columns first)."""
+    return torch.sigmoid(F.linear(torch.cat([h_NH, e_Nr], dim=-1), w_rX, b_r)) * e_Nr
+
+
+def rnn_step(
+    s_Nr: torch.Tensor, e_Nr: torch.Tensor, h_NH: torch.Tensor, w_3rX: torch.Tensor, b_3r: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the rnn head: (next state [N, r], latent [N, r]); W = joint_proj.weight [3r, 2r + H]."""
+    gate, candidate, output = F.linear(torch.cat([s_Nr, e_Nr, h_NH], dim=-1), w_3rX, b_3r).chunk(3, dim=-1)
+    gate = torch.sigmoid(gate)
+    return gate * s_Nr + (1.0 - gate) * torch.tanh(candidate), torch.tanh(output)
 
 
 class MarkovHead(nn.Module):
-    """`markov_w1` = Embedding [V, r] of the previous token, `markov_w2` = Linear r -> V (no bias)."""
+    """`markov_w1` = Embedding [V, r] of the previous token, `markov_w2` = Linear r -> V (no bias);
+    the gated head adds `gate_proj` Linear(H + r -> r), the rnn head `joint_proj` Linear(2r + H -> 3r)."""
 
-    def __init__(self, vocab_size: int, rank: int, *, dtype, device):
+    def __init__(self, kind: str, vocab_size: int, rank: int, hidden_size: int, *, dtype, device):
         super().__init__()
-        self.markov_w1 = nn.Embedding(vocab_size, rank, dtype=dtype, device=device)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False, dtype=dtype, device=device)
+        self.kind = kind
+        kw = dict(dtype=dtype, device=device)
+        self.markov_w1 = nn.Embedding(vocab_size, rank, **kw)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False, **kw)
+        if kind == "gated":
+            self.gate_proj = nn.Linear(hidden_size + rank, rank, **kw)
+        elif kind == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank, **kw)
 
-    def decode(self, base_NkV: torch.Tensor, anchors_N: torch.Tensor) -> torch.Tensor:
-        """Greedy drafts [N, k] token by token: each step's logits add the Markov term of the previous draft."""
+    def decode(self, base_NkV: torch.Tensor, hidden_NkH: torch.Tensor, anchors_N: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts [N, k]: each step's logits [N, V] add the bias of the previous token (and hidden row)."""
+        N, k = base_NkV.shape[:2]
         prev = anchors_N.to(base_NkV.device)
+        w2 = self.markov_w2.weight.float()
+        state = base_NkV.new_zeros(N, self.markov_w1.embedding_dim, dtype=torch.float32)
         drafts = []
-        for k in range(base_NkV.shape[1]):
-            prev = markov_logits(base_NkV[:, k], prev, self.markov_w1.weight, self.markov_w2.weight).argmax(dim=-1)
+        for i in range(k):
+            e, h = self.markov_w1(prev).float(), hidden_NkH[:, i].float()
+            if self.kind == "gated":
+                latent = gated_latent(e, h, self.gate_proj.weight.float(), self.gate_proj.bias.float())
+            elif self.kind == "rnn":
+                state, latent = rnn_step(state, e, h, self.joint_proj.weight.float(), self.joint_proj.bias.float())
+            else:
+                latent = e
+            prev = (base_NkV[:, i].float() + latent @ w2.T).argmax(dim=-1)
             drafts.append(prev)
-        return torch.stack(drafts, dim=1) if drafts else base_NkV.new_zeros(base_NkV.shape[0], 0, dtype=torch.long)
+        return torch.stack(drafts, dim=1) if drafts else base_NkV.new_zeros(N, 0, dtype=torch.long)
 
 
 class ConfidenceHead(nn.Module):
@@ -61,23 +95,21 @@ class DSparkDraft(DFlashDraft):
         device: torch.device | str = "cpu",
         dispatcher: Dispatcher | None = None,
     ):
-        if spec.markov_head_type != "vanilla":
-            raise ConfigError(
-                f"markov_head_type = {spec.markov_head_type!r}: only the 'vanilla' DSpark Markov head is supported"
-            )
         super().__init__(spec, dtype=dtype, device=device, dispatcher=dispatcher)
-        self.markov_head = MarkovHead(spec.vocab_size, spec.markov_rank, dtype=dtype, device=device)
+        self.markov_head = MarkovHead(
+            spec.markov_head_type, spec.vocab_size, spec.markov_rank, spec.hidden_size, dtype=dtype, device=device
+        )
         self.confidence_head: ConfidenceHead | None = None
         if spec.enable_confidence_head:
             width = spec.hidden_size + (spec.markov_rank if spec.confidence_head_with_markov else 0)
             self.confidence_head = ConfidenceHead(width, device=device)
 
-    def readout(self, hidden_NQH: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads) -> torch.Tensor:
-        return self.markov_head.decode(heads.lm_head(hidden_NQH), anchors_N)
+    def readout(self, hidden_NkH: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads) -> torch.Tensor:
+        return self.markov_head.decode(heads.lm_head(hidden_NkH), hidden_NkH, anchors_N)
 
     @torch.no_grad()
     def confidence(self, hidden_NkH: torch.Tensor, prev_Nk: torch.Tensor) -> torch.Tensor:
-        """Predicted accept probability [N, k] of each draft row; prev_Nk = the token before each row.
+        """Predicted accept probability [N, k] of each draft row; prev_Nk = the token before each row's draft.
 
         Raises ConfigError when the export has no confidence head.
         """
@@ -87,3 +119,14 @@ class DSparkDraft(DFlashDraft):
         if self.spec.confidence_head_with_markov:
             inputs = torch.cat([hidden_NkH, self.markov_head.markov_w1(prev_Nk).to(hidden_NkH.dtype)], dim=-1)
         return self.confidence_head(inputs)
+
+    @torch.no_grad()
+    def propose_scored(
+        self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(drafts [N, num_drafts] int64, confidence [N, num_drafts] fp32): `propose` plus each draft's score,
+        read from the same hidden row as the draft with the token before it (the anchor for the first)."""
+        rows = self.draft_rows(self.block_hidden(caches, anchors_N, heads, plan))
+        drafts = self.readout(rows, anchors_N, heads)
+        prev = torch.cat([anchors_N.to(drafts.device).unsqueeze(1), drafts[:, :-1]], dim=1)
+        return drafts, self.confidence(rows, prev)

@@ -29,6 +29,11 @@ class DraftModel(Protocol):
         ...
 
     @property
+    def num_drafts(self) -> int:
+        """Drafts per request per step: B-1 (mask-filling readout) or B (autoregressive); verify width num_drafts + 1."""
+        ...
+
+    @property
     def device(self) -> torch.device:
         """Where the draft's weights live."""
         ...
@@ -44,7 +49,7 @@ class DraftModel(Protocol):
     def propose(
         self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None
     ) -> torch.Tensor:
-        """[N, B-1] int64 drafts; N may be 0, every MoE layer still enters its collectives with `plan`."""
+        """[N, num_drafts] int64 drafts; N may be 0, every MoE layer still enters its collectives with `plan`."""
         ...
 
 

@@ -1,7 +1,10 @@
 """DraftModelSpec: the geometry of a DFlash / DSpark draft, read once from its config.json.
 
 SpecForge exports keep some keys at top level and some under `dflash_config` (the DSpark export
-normalizer copies the Markov keys up); either place is accepted, top level first.
+normalizer copies the Markov keys up); a target checkpoint that bundles its DSpark head carries them
+as `dspark_*` keys (`dspark_block_size`, `dspark_markov_rank`, `dspark_markov_head_type`,
+`dspark_noise_token_id`, `dspark_target_layer_ids`) or under a `dspark_config` table (SGLang's
+`parse_dspark_draft_config`). Any of these places is accepted; two that disagree are refused.
 """
 
 from __future__ import annotations
@@ -15,6 +18,13 @@ from epdraft.errors import ConfigError
 
 MarkovHeadType = Literal["vanilla", "gated", "rnn"]
 LayerType = Literal["full_attention", "sliding_attention"]
+Readout = Literal["mask_filling", "autoregressive"]
+"""How the block's hidden rows become drafts (sglang PR #33831). `mask_filling` (SpecForge training):
+row k >= 1 predicts the token at anchor + k, B-1 drafts, verify width B. `autoregressive` (DeepSpec,
+SGLang's default): row k >= 0 predicts the token at anchor + k + 1, B drafts, verify width B + 1."""
+
+_MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class DraftModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -33,6 +43,8 @@ class DraftModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     target_layer_ids: tuple[int, ...]
     layer_types: tuple[LayerType, ...]
     vocab_size: Annotated[int, msgspec.Meta(ge=1)]
+    sliding_window: Annotated[int, msgspec.Meta(ge=1, description="keys within this many positions")] | None = None
+    readout: Readout = "mask_filling"
     attention_bias: bool = False
     markov_rank: Annotated[int, msgspec.Meta(ge=0, description="0 = no Markov head (DFlash)")] = 0
     markov_head_type: MarkovHeadType = "vanilla"
@@ -53,10 +65,23 @@ class DraftModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ConfigError(
                 f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_layers}"
             )
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ConfigError("layer_types has sliding_attention layers but sliding_window is missing")
         if self.ffn.num_layers != self.num_layers:
             raise ConfigError(f"FFN spec has {self.ffn.num_layers} layers, num_hidden_layers is {self.num_layers}")
         if self.kind == "dspark" and self.markov_rank <= 0:
             raise ConfigError(f"markov_rank = {self.markov_rank}: a DSpark draft needs markov_rank > 0")
+        if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank <= 0:
+            raise ConfigError("confidence_head_with_markov = true needs a Markov head (markov_rank > 0)")
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafts per request per step: B-1 (mask-filling readout) or B (autoregressive)."""
+        return self.block_size - 1 if self.readout == "mask_filling" else self.block_size
+
+    def window(self, layer: int) -> int | None:
+        """The layer's sliding window (a key at position p is seen from query positions < p + window), None if full."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     @property
     def num_target_features(self) -> int:
@@ -66,18 +91,25 @@ class DraftModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @classmethod
     def from_config(cls, config: dict[str, Any], *, source: str = "config.json") -> "DraftModelSpec":
         """Parse a SpecForge DFlash/DSpark export's config dict; ConfigError names `source` and the key."""
-        dflash = config.get("dflash_config") or {}
-        if not isinstance(dflash, dict):
-            raise ConfigError(f"{source}: dflash_config must be an object, got {type(dflash).__name__}")
+        tables = {"": config}
+        for name in ("dflash_config", "dspark_config"):
+            table = config.get(name) or {}
+            if not isinstance(table, dict):
+                raise ConfigError(f"{source}: {name} must be an object, got {type(table).__name__}")
+            tables[name + "."] = table
 
         def pick(key: str, default: Any = msgspec.UNSET, *, prefixed: str | None = None) -> Any:
-            for table in (config, dflash):
-                if key in table:
-                    return table[key]
-            if prefixed is not None and prefixed in config:
-                return config[prefixed]
+            """The key's value from any place it may live; ConfigError if two places disagree."""
+            found = [(where + key, t[key]) for where, t in tables.items() if t.get(key) is not None]
+            if prefixed is not None and config.get(prefixed) is not None:
+                found.append((prefixed, config[prefixed]))
+            for where, value in found[1:]:
+                if value != found[0][1]:
+                    raise ConfigError(f"{source}: {where} = {value!r} contradicts {found[0][0]} = {found[0][1]!r}")
+            if found:
+                return found[0][1]
             if default is msgspec.UNSET:
-                raise ConfigError(f"{source}: missing key {key!r} (top level or dflash_config)")
+                raise ConfigError(f"{source}: missing key {key!r} (top level, dflash_config or dspark_config)")
             return default
 
         hidden = pick("hidden_size")
@@ -85,10 +117,23 @@ class DraftModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         num_layers = pick("num_hidden_layers")
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ConfigError(f"{source}: num_hidden_layers = {num_layers!r} must be a positive integer")
-        projector = dflash.get("projector_type", "")
+        projector = tables["dflash_config."].get("projector_type", "")
         markov_rank = pick("markov_rank", 0, prefixed="dspark_markov_rank")
         archs = " ".join(config.get("architectures") or [])
         kind = "dspark" if projector == "dspark" or "DSpark" in archs or markov_rank else "dflash"
+        markov_head_type = pick("markov_head_type", "vanilla", prefixed="dspark_markov_head_type")
+        if markov_head_type not in _MARKOV_HEAD_TYPES:
+            raise ConfigError(f"{source}: markov_head_type = {markov_head_type!r}: expected one of {list(_MARKOV_HEAD_TYPES)}")
+        layer_types = pick("layer_types", None) or ["full_attention"] * num_layers
+        for i, t in enumerate(layer_types):
+            if t not in _LAYER_TYPES:
+                raise ConfigError(f"{source}: layer_types[{i}] = {t!r}: expected one of {list(_LAYER_TYPES)}")
+        window = pick("sliding_window", None) if "sliding_attention" in layer_types else None
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+            raise ConfigError(f"{source}: sliding_window = {window!r} must be a positive integer")
+        mask_filling = pick("mask_filling", True)
+        if not isinstance(mask_filling, bool):
+            raise ConfigError(f"{source}: mask_filling = {mask_filling!r} must be true or false")
         raw = {
             "kind": kind,
             "hidden_size": hidden,
@@ -101,11 +146,13 @@ class DraftModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             "block_size": pick("block_size", 16, prefixed="dspark_block_size"),
             "mask_token_id": pick("mask_token_id", prefixed="dspark_noise_token_id"),
             "target_layer_ids": pick("target_layer_ids", msgspec.UNSET, prefixed="dspark_target_layer_ids"),
-            "layer_types": config.get("layer_types") or ["full_attention"] * num_layers,
+            "layer_types": layer_types,
             "vocab_size": pick("vocab_size"),
+            "sliding_window": window,
+            "readout": "mask_filling" if mask_filling else "autoregressive",
             "attention_bias": pick("attention_bias", False),
             "markov_rank": markov_rank,
-            "markov_head_type": pick("markov_head_type", "vanilla"),
+            "markov_head_type": markov_head_type,
             "enable_confidence_head": pick("enable_confidence_head", False),
             "confidence_head_with_markov": pick("confidence_head_with_markov", False),
             "ffn": DraftMixFFNSpec.from_config(config),

@@ -1,6 +1,7 @@
 """HFTarget: a Hugging Face transformers causal LM as the target, replicated on each rank.
 
-Per request it keeps KV that always holds exactly the committed tokens. Verify runs every
+Per request it keeps KV that always holds exactly the committed tokens (on a sliding-window layer,
+the last W-1 of them, as transformers' own cache does). Verify runs every
 request's block in one batched forward on top of its left-padded KV (`padded_kv`), then keeps each
 request's committed rows only, so the next step sees the same KV a plain greedy decode would have
 built. One forward per step instead of one per request: per-request forwards were about half of a
@@ -17,7 +18,14 @@ import torch
 
 from epdraft.errors import ConfigError, LoadError, RequestError
 from epdraft.target.base import PrefillResult, VerifyResult, greedy_accept, validate_prompt
-from epdraft.target.padded_kv import RequestKV, kv_of_single, seq_len, split_committed, stack_left_padded
+from epdraft.target.padded_kv import (
+    RequestKV,
+    kv_of_single,
+    layer_windows,
+    seq_len,
+    split_committed,
+    stack_left_padded,
+)
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
@@ -47,13 +55,19 @@ class HFTarget:
             raise ConfigError(
                 f"target_layer_ids {list(self.feature_layer_ids)}: need at least one id, each in [0, {self.num_layers})"
             )
-        sliding = [i for i, t in enumerate(getattr(cfg, "layer_types", None) or []) if t != "full_attention"]
-        if sliding:
-            # Padded batching keeps every committed row per layer; a sliding layer drops old ones.
+        other = [(i, t) for i, t in enumerate(getattr(cfg, "layer_types", None) or [])
+                 if t not in ("full_attention", "sliding_attention")]
+        if other:
             raise ConfigError(
-                f"target layer_types: layers {sliding} are not full_attention; "
-                "only full-attention targets are supported"
+                f"target layer_types: layer {other[0][0]} is {other[0][1]!r}; only full_attention and "
+                "sliding_attention layers are supported"
             )
+        window = getattr(cfg, "sliding_window", None)
+        sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
+        if sliding and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ConfigError(f"target sliding_window = {window!r} must be a positive integer")
+        # Per layer, the window transformers' own cache keeps (verify keeps the same rows).
+        self.layer_windows = layer_windows(cfg)
         self._kv: dict[int, RequestKV] = {}
 
     @classmethod
@@ -109,7 +123,7 @@ class HFTarget:
             cache = DynamicCache(config=self.model.config)
             ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
             out = self.model(input_ids=ids, use_cache=True, output_hidden_states=True, **{self._cache_kw: cache})
-            self._kv[rid] = kv_of_single(cache)
+            self._kv[rid] = kv_of_single(cache, len(prompt))
             firsts.append(out.logits[0, -1].argmax())
             lens.append(len(prompt))
             feats.append(self._features(out.hidden_states)[0])

@@ -59,7 +59,7 @@ def run_disaggregated(
     transport = make_transport(pc.placement.transfer, transfer_group, device=setup.device, hostname=_this_host())
     spec = setup.spec
     link = PeerLink(ControlChannel(control, torch.device("cpu"), use_tags=True), transport,
-                    role="draft" if groups is not None else "target", block_size=spec.block_size)  # fmt: skip
+                    role="draft" if groups is not None else "target", block_size=spec.num_drafts + 1)  # fmt: skip
     timers = PhaseTimers(setup.device)
     target: HFTarget | None = None
     try:

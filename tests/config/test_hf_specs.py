@@ -183,13 +183,35 @@ def test_ffn_layer_types():
     assert spec.layers[0] == DraftDenseFFNSpec(intermediate_size=17408)
 
 
-def test_hash_layers_refused():
+def _kinds(spec: DraftMixFFNSpec) -> list[str]:
+    return ["dense" if not isinstance(l, DraftMoeFFNSpec) else "hash_moe" if l.router.hash_routed else "moe"
+            for l in spec.layers]
+
+
+def test_hash_layers_parsed():
     config = load("deepseek-v4-flash")
-    refused(config | {"num_hash_layers": 3}, "num_hash_layers = 3", "hash")
+    spec = parse(config | {"num_hash_layers": 3})
+    assert _kinds(spec) == ["hash_moe"] * 3 + ["moe"] * 40
+    hashed, plain = spec.layers[0].router, spec.layers[3].router
+    # tid2eid picks the experts: no selection bias; the weights keep the top-k layer's scoring and scaling.
+    assert (hashed.bias, plain.bias, hashed.vocab_size) == ("none", "selection", 129280)
+    assert (hashed.scoring, hashed.norm_topk_prob, hashed.routed_scaling_factor) == ("sqrtsoftplus", True, 1.5)
     del config["num_hash_layers"]
-    refused(config, "num_hash_layers = 3")  # transformers' default: 3 hash layers
-    types = ["hash_moe"] * 3 + ["moe"] * 40
-    refused(config | {"mlp_layer_types": types}, "mlp_layer_types[0] = 'hash_moe'")
+    assert _kinds(parse(config))[:4] == ["hash_moe"] * 3 + ["moe"]  # transformers' default: 3 hash layers
+    types = ["hash_moe"] * 2 + ["moe"] * 41
+    assert _kinds(parse(config | {"mlp_layer_types": types})) == types
+
+
+def test_malformed_hash_layers_refused():
+    config = load("deepseek-v4-flash")
+    refused(config | {"num_hash_layers": 44}, "num_hash_layers = 44", "num_hidden_layers = 43")
+    refused(config | {"num_hash_layers": 2, "first_k_dense_replace": 1}, "layers [0] are dense")
+    refused(config | {"num_hash_layers": -1}, "num_hash_layers = -1")
+    refused(config | {"mlp_layer_types": ["hash"] + ["moe"] * 42}, "mlp_layer_types[0] = 'hash'")
+    types = ["hash_moe"] * 2 + ["moe"] * 41
+    refused(config | {"mlp_layer_types": types, "num_hash_layers": 3}, "num_hash_layers = 3", "2 'hash_moe'")
+    no_vocab = {k: v for k, v in config.items() if k != "vocab_size"} | {"num_hash_layers": 1}
+    refused(no_vocab, "vocab_size is missing")
 
 
 @pytest.mark.parametrize(
@@ -284,9 +306,11 @@ def test_matches_transformers_config_classes(name):
     assert spec.hidden_size == hf.hidden_size
 
 
-def test_transformers_deepseek_v4_default_has_hash_layers_we_refuse():
+def test_transformers_deepseek_v4_default_hash_layers_match_ours():
     transformers = pytest.importorskip("transformers")
     config = load("deepseek-v4-flash")
+    for change in ({"num_hash_layers": 5}, {"num_hash_layers": 0}):
+        hf = transformers.AutoConfig.for_model(**(config | change))
+        assert _kinds(parse(config | change)) == list(hf.mlp_layer_types)
     del config["num_hash_layers"]
-    assert transformers.AutoConfig.for_model(**config).mlp_layer_types[:3] == ["hash_moe"] * 3
-    refused(config, "hash")
+    assert _kinds(parse(config)) == list(transformers.AutoConfig.for_model(**config).mlp_layer_types)

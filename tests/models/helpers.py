@@ -14,8 +14,12 @@ from epdraft.models.checkpoint import to_specforge_state_dict
 H, VOCAB, MASK = 32, 50, 49
 
 
-def draft_config(*, moe: bool = True, dspark: bool = False, block_size: int = 4, layer_ids=(0, 2)) -> dict:
-    """A SpecForge-style export config.json: qwen3_5_moe-preset MoE (or dense) FFNs, optional DSpark keys."""
+def draft_config(*, moe: bool = True, dspark: bool = False, block_size: int = 4, layer_ids=(0, 2),
+                 markov: str = "vanilla", confidence_with_markov: bool = True, mask_filling: bool | None = None,
+                 layer_types: list[str] | None = None, sliding_window: int | None = None,
+                 num_hash_layers: int = 0) -> dict:
+    """A SpecForge-style export config.json: qwen3_5_moe-preset MoE (or dense) FFNs, optional DSpark keys,
+    readout, sliding-window layers (`layer_types` sets the layer count) and hash-routed MoE layers."""
     cfg = {
         "architectures": ["DSparkDraftModel" if dspark else "DFlashDraftModel"], "model_type": "qwen3",
         "hidden_size": H, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 2,
@@ -30,16 +34,27 @@ def draft_config(*, moe: bool = True, dspark: bool = False, block_size: int = 4,
             "scoring_func": "softmax", "norm_topk_prob": True, "routed_scaling_factor": 1.0,
         }
     if dspark:
-        cfg["dflash_config"] |= {"projector_type": "dspark", "markov_rank": 6, "markov_head_type": "vanilla",
-                                 "enable_confidence_head": True, "confidence_head_with_markov": True}
+        cfg["dflash_config"] |= {"projector_type": "dspark", "markov_rank": 6, "markov_head_type": markov,
+                                 "enable_confidence_head": True,
+                                 "confidence_head_with_markov": confidence_with_markov}
+    if mask_filling is not None:
+        cfg["dflash_config"]["mask_filling"] = mask_filling
+    if layer_types is not None:
+        cfg |= {"layer_types": layer_types, "num_hidden_layers": len(layer_types), "sliding_window": sliding_window}
+    if num_hash_layers:
+        cfg["num_hash_layers"] = num_hash_layers
     return cfg
 
 
 def randomize(module: torch.nn.Module, seed: int = 0, scale: float = 0.3) -> None:
     """Deterministic random weights everywhere (norm weights near 1), so every tensor matters."""
     gen = torch.Generator().manual_seed(seed)
+    params = dict(module.named_parameters())
     with torch.no_grad():
         for name, p in module.named_parameters():
+            if name.endswith("tid2eid"):  # a hash layer's token -> experts table: ids of its router's experts
+                p.copy_(torch.randint(0, params[name.replace("tid2eid", "weight")].shape[0], p.shape, generator=gen))
+                continue
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype)
             p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else scale * noise)
 

@@ -13,8 +13,9 @@ from tests.models.helpers import H, VOCAB, draft_config, randomize, tiny_target,
 pytest.importorskip("transformers")
 
 
-def naive_attention(attn: DFlashAttention, x_QH, pos_Q, ctx_LH, ctx_pos_L):
-    """Per-head loops straight from the DFlash formulas: rmsnorm, rotary pairs (i, i + D/2), softmax."""
+def naive_attention(attn: DFlashAttention, x_QH, pos_Q, ctx_LH, ctx_pos_L, allowed_QS=None):
+    """Per-head loops straight from the DFlash formulas: rmsnorm, rotary pairs (i, i + D/2), softmax
+    over the keys `allowed_QS` [Q, L + Q] permits (all of them when None)."""
     D, nh, g = attn.head_dim, attn.num_heads, attn.num_kv_heads
 
     def rms(v, w):
@@ -39,8 +40,9 @@ def naive_attention(attn: DFlashAttention, x_QH, pos_Q, ctx_LH, ctx_pos_L):
         vs = [Wv @ s for s in keys_src]
         for q in range(x_QH.shape[0]):
             qv = rot(rms(Wq @ x_QH[q], attn.q_norm.weight), int(pos_Q[q]))
-            w = torch.softmax(torch.stack([qv @ k for k in ks]) / math.sqrt(D), dim=0)
-            out[q, h * D:(h + 1) * D] = sum(wi * v for wi, v in zip(w, vs))
+            keep = [s for s in range(len(ks)) if allowed_QS is None or bool(allowed_QS[q, s])]
+            w = torch.softmax(torch.stack([qv @ ks[s] for s in keep]) / math.sqrt(D), dim=0)
+            out[q, h * D:(h + 1) * D] = sum(wi * vs[s] for wi, s in zip(w, keep))
     return out @ attn.o_proj.weight.T
 
 
@@ -173,3 +175,39 @@ def test_batched_extend_contexts_equals_one_request_at_a_time():
             (ka, va), (kb, vb) = a.kv(layer), b.kv(layer)
             torch.testing.assert_close(kb, ka, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(vb, va, rtol=1e-5, atol=1e-6)
+
+
+def test_hash_routed_draft_routes_by_the_block_token_ids(tmp_path):
+    """A draft whose first layer is hash-routed: the block's ids reach it (cached == uncached with the
+    same ids), it needs them in the uncached forward, round-trips an export and decodes losslessly."""
+    cfg = draft_config(num_hash_layers=1)
+    draft = make_draft(seed=8, num_hash_layers=1)
+    assert [layer.token_routed for layer in draft.layers] == [True, False]
+    heads, gen = Heads(), torch.Generator().manual_seed(4)
+    feats = [torch.randn(n, 2 * H, generator=gen) for n in (3, 6)]
+    caches = []
+    for f in feats:
+        caches.append(draft.new_cache())
+        draft.extend_context(caches[-1], f)
+    anchors = torch.tensor([4, 19])
+    got = draft.block_hidden(caches, anchors, heads)
+    B = draft.block_size
+    for i, f in enumerate(feats):
+        ids = torch.tensor([int(anchors[i])] + [draft.spec.mask_token_id] * (B - 1))
+        L = f.shape[0]
+        with torch.no_grad():
+            want = draft(heads.embed(ids).unsqueeze(0), torch.arange(L, L + B).unsqueeze(0),
+                         draft.fuse_features(f).unsqueeze(0), torch.arange(L).unsqueeze(0), input_ids_NQ=ids.unsqueeze(0))
+        torch.testing.assert_close(got[i], want[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="layer 0 is hash-routed"):
+        draft(torch.zeros(1, B, H), torch.arange(B).unsqueeze(0), torch.zeros(1, 2, H), torch.arange(2).unsqueeze(0))
+    loaded = load_draft(write_export(draft, cfg, tmp_path / "hash"))
+    assert torch.equal(loaded.layers[0].mlp.router.tid2eid, draft.layers[0].mlp.router.tid2eid)
+    torch.testing.assert_close(loaded.block_hidden(caches, anchors, heads), got, rtol=0, atol=0)
+    target = tiny_target(2)
+    prompt, n = [3, 9, 27, 1, 40, 12], 16
+    out = speculative_generate(target, draft, prompt, n)
+    ids = torch.tensor([prompt])
+    want = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+    assert out.tokens == want

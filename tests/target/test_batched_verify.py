@@ -2,7 +2,9 @@
 
 Three references per step: the same model verifying each request alone (its own target), and a plain
 full forward (no KV cache) over each request's prompt + committed tokens + block. Requests join and
-finish between steps, so the padded batch changes shape every step.
+finish between steps, so the padded batch changes shape every step. Targets with sliding-window
+layers (Qwen3 mixing full and sliding layers, Mistral all sliding) run the same steps, with windows
+shorter than the block and than the contexts: their full forward applies transformers' own window.
 """
 
 import pytest
@@ -10,7 +12,10 @@ import torch
 
 from epdraft.errors import RequestError
 from epdraft.target.base import greedy_accept
+from epdraft.target.hf import HFTarget
 from tests.target.test_hf_target import VOCAB, tiny_target
+
+transformers = pytest.importorskip("transformers")
 
 B = 5
 
@@ -35,8 +40,44 @@ def full_forward_verify(target, history: list[int], block: list[int]) -> tuple[i
     return int(accept[0]), int(bonus[0]), feats
 
 
-def test_batched_verify_equals_per_request_verify():
-    batched, alone = tiny_target(2), tiny_target(2)
+def sliding_target(family: str, window: int, seed: int = 2) -> HFTarget:
+    """A random tiny target whose layers slide over `window` positions: Qwen3 or gpt-oss [sliding, full,
+    sliding] (gpt-oss with attention sinks and MoE), or Mistral (all)."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=True,
+                  sliding_window=window)
+    if family == "qwen3":
+        cfg = transformers.Qwen3Config(**common, use_sliding_window=True,
+                                       layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        model = transformers.Qwen3ForCausalLM(cfg)
+    elif family == "gpt_oss":
+        common |= {"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**common))
+    else:
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return HFTarget(model, feature_layer_ids=[0, 2])
+
+
+TARGETS = {
+    "full": lambda: tiny_target(2),
+    "qwen3-sliding-3": lambda: sliding_target("qwen3", 3),   # window < block
+    "qwen3-sliding-7": lambda: sliding_target("qwen3", 7),   # block < window < contexts
+    "mistral-sliding-4": lambda: sliding_target("mistral", 4),
+    "gpt-oss-sliding-2": lambda: sliding_target("gpt_oss", 2),
+}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_batched_verify_equals_per_request_verify(target):
+    batched, alone = TARGETS[target](), TARGETS[target]()
+    windows = batched.layer_windows
+    assert (windows == (None,) * 3) == (target == "full")
     prompts = {0: [3, 9, 1], 1: [5, 6, 7, 8, 9, 10, 11, 12, 13], 2: [40, 2, 2, 7, 30], 3: list(range(20, 32))}
     history: dict[int, list[int]] = {}
     anchor: dict[int, int] = {}
@@ -69,6 +110,9 @@ def test_batched_verify_equals_per_request_verify():
             history[rid] += blocks[i][:n]
             anchor[rid] = bonus
             assert batched.seq_len(rid) == alone.seq_len(rid) == len(history[rid])
+            # Each layer keeps what transformers' cache keeps: all rows, or the last W-1 on a sliding layer.
+            for (k, v), w in zip(batched._kv[rid].layers, windows):
+                assert k.shape[1] == v.shape[1] == (len(history[rid]) if w is None else min(len(history[rid]), w - 1))
 
     for rid in (0, 1, 2):
         join(rid)
@@ -90,3 +134,48 @@ def test_verify_refuses_a_repeated_or_released_request():
     with pytest.raises(RequestError, match="request 2: verify before prefill"):
         target.verify([1, 2], torch.zeros(2, 3, dtype=torch.long))
     assert target.verify([], torch.zeros(0, 3, dtype=torch.long)).committed_ids.shape == (0,)
+
+
+def test_the_window_changes_the_model():
+    """The sliding targets are not full-attention ones in disguise: on a long prompt the logits differ."""
+    sliding = sliding_target("qwen3", 3)
+    full = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{
+        **sliding.model.config.to_dict(), "layer_types": ["full_attention"] * 3, "use_sliding_window": False}))
+    full.load_state_dict(sliding.model.state_dict())
+    ids = torch.tensor([list(range(3, 15))])
+    with torch.no_grad():
+        assert not torch.allclose(sliding.model(ids).logits, full(ids).logits, atol=1e-3)
+
+
+@pytest.mark.parametrize("target", ["qwen3-sliding-3", "mistral-sliding-4", "gpt-oss-sliding-2"])
+def test_batched_speculative_decoding_is_lossless_on_sliding_targets(target):
+    """Three requests decoded together with a random draft, every verify batched: each equals HF generate."""
+    from epdraft.models import DFlashDraft, DraftModelSpec
+    from tests.models.helpers import draft_config, randomize
+
+    tgt = TARGETS[target]()
+    cfg = draft_config(moe=False)
+    cfg["vocab_size"], cfg["dflash_config"]["mask_token_id"] = VOCAB, VOCAB - 1
+    draft = DFlashDraft(DraftModelSpec.from_config(cfg))
+    randomize(draft, 3)
+    prompts, n = {0: [3, 9, 27, 1, 40, 12, 5, 5, 8], 1: [7, 7], 2: list(range(10, 24))}, 18
+    pre = tgt.prefill(list(prompts), list(prompts.values()))
+    caches, anchors, out = {}, {}, {}
+    for i, rid in enumerate(prompts):
+        caches[rid] = draft.new_cache()
+        draft.extend_context(caches[rid], pre.features[pre.rows(i)])
+        anchors[rid], out[rid] = int(pre.first_tokens[i]), [int(pre.first_tokens[i])]
+    while any(len(t) < n for t in out.values()):
+        rids = [r for r in prompts if len(out[r]) < n]
+        drafts = draft.propose([caches[r] for r in rids], torch.tensor([anchors[r] for r in rids]), tgt)
+        blocks = torch.cat([torch.tensor([[anchors[r]] for r in rids]), drafts], dim=1)
+        res = tgt.verify(rids, blocks)
+        draft.extend_contexts([caches[r] for r in rids], [res.features[res.rows(i)] for i in range(len(rids))])
+        for i, r in enumerate(rids):
+            out[r] += res.emitted(i)
+            anchors[r] = int(res.bonus[i])
+    for rid, prompt in prompts.items():
+        ids = torch.tensor([prompt])
+        want = tgt.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+        assert out[rid][:n] == want, rid

@@ -101,3 +101,15 @@ def test_bad_requests_and_layers_are_refused():
         target.verify([9], torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ConfigError, match=r"target_layer_ids \[3\]"):
         HFTarget(target.model, [3])
+
+
+def test_layer_types_other_than_full_and_sliding_are_refused():
+    target = tiny_target()
+    target.model.config.layer_types = ["full_attention", "chunked_attention", "sliding_attention"]
+    with pytest.raises(ConfigError, match="layer 1 is 'chunked_attention'"):
+        HFTarget(target.model, [0, 2])
+    target.model.config.layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    for window in (0, None):
+        target.model.config.sliding_window = window
+        with pytest.raises(ConfigError, match=f"target sliding_window = {window} must be a positive integer"):
+            HFTarget(target.model, [0, 2])
