@@ -54,6 +54,31 @@ def block_attention_reference(
     )
 
 
+def sliding_block_attention(
+    q_NhBD: torch.Tensor, k_PgCD: torch.Tensor, v_PgCD: torch.Tensor, slots_N: torch.Tensor, starts_N: torch.Tensor,
+    window: int,
+) -> torch.Tensor:
+    """A sliding-window layer's block attention over pool slots (SpecForge's training mask at the
+    block of anchor position a = starts[n]): block row q sees context positions p in
+    [a + q - (W - 1), a) and block rows <= q. Gathers only the W - 1 + B rows that can be seen
+    (indices from the device lengths: no host sync, shapes fixed by N, W and B), then SDPA.
+    """
+    N, h, B, _ = q_NhBD.shape
+    device = q_NhBD.device
+    span = window - 1 + B
+    pos_NJ = starts_N.long().unsqueeze(1) - (window - 1) + torch.arange(span, device=device)
+    rows_NJ = pos_NJ.clamp(min=0)
+    k_NgJD = k_PgCD[slots_N.unsqueeze(1), :, rows_NJ].transpose(1, 2)
+    v_NgJD = v_PgCD[slots_N.unsqueeze(1), :, rows_NJ].transpose(1, 2)
+    a_N11 = starts_N.long().view(N, 1, 1)
+    q_1B1 = torch.arange(B, device=device).view(1, B, 1)
+    p_N1J = pos_NJ.unsqueeze(1)
+    context_ok = (p_N1J >= 0) & (p_N1J < a_N11) & (p_N1J >= a_N11 + q_1B1 - (window - 1))
+    block_ok = (p_N1J >= a_N11) & (p_N1J <= a_N11 + q_1B1)
+    mask = (context_ok | block_ok).unsqueeze(1)
+    return F.scaled_dot_product_attention(q_NhBD, k_NgJD, v_NgJD, attn_mask=mask, enable_gqa=k_PgCD.shape[1] != h)
+
+
 def num_splits_for(num_requests: int, num_kv_heads: int, capacity: int) -> int:
     """Key splits per (request, KV head): enough programs to fill the GPU, none shorter than a tile."""
     wanted = math.ceil(_TARGET_PROGRAMS / max(1, num_requests * num_kv_heads))

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epdraft.kernels.attention import block_attention, block_attention_reference
+from epdraft.kernels.attention import block_attention, block_attention_reference, sliding_block_attention
 
 
 class RMSNorm(nn.Module):
@@ -117,10 +117,12 @@ class DFlashAttention(nn.Module):
         pool_k_PgCD: torch.Tensor,
         pool_v_PgCD: torch.Tensor,
         slots_N: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         """`forward` over a KV pool: the block rows' K/V go to rows `positions` of each request's slot
         (right after its context), then the queries attend to rows [0, position of the last block
         row] of the slot, read in place (the Triton kernel on CUDA, the SDPA reference elsewhere).
+        A sliding-window layer (`window` W) attends as `sliding_block_attention` says instead.
 
         x_NQH [N, Q, H] (input-normed), positions_NQ [N, Q] = context length + [0, Q), slots_N [N]
         int64 on x's device. No host sync on CUDA.
@@ -133,7 +135,11 @@ class DFlashAttention(nn.Module):
         index = (slots_N.unsqueeze(1), slice(None), positions_NQ)
         pool_k_PgCD[index] = k_blk.transpose(1, 2).to(pool_k_PgCD.dtype)
         pool_v_PgCD[index] = v_blk.transpose(1, 2).to(pool_v_PgCD.dtype)
-        kv_lens_N = positions_NQ[:, -1] + 1
-        attend = block_attention if q.is_cuda else block_attention_reference
-        out = attend(q.to(pool_k_PgCD.dtype), pool_k_PgCD, pool_v_PgCD, slots_N, kv_lens_N).to(x_NQH.dtype)
+        q = q.to(pool_k_PgCD.dtype)
+        if window is not None:
+            out = sliding_block_attention(q, pool_k_PgCD, pool_v_PgCD, slots_N, positions_NQ[:, 0], window)
+        else:
+            attend = block_attention if q.is_cuda else block_attention_reference
+            out = attend(q, pool_k_PgCD, pool_v_PgCD, slots_N, positions_NQ[:, -1] + 1)
+        out = out.to(x_NQH.dtype)
         return self.o_proj(out.transpose(1, 2).reshape(N, Q, self.num_heads * self.head_dim))

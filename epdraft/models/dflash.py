@@ -110,15 +110,20 @@ class DFlashLayer(nn.Module):
         layer_id: int,
         slots_N: torch.Tensor,
         plan: StepPlan | None,
+        input_ids_NQ: torch.Tensor,
     ) -> torch.Tensor:
         """`forward` with the context read in place from `pool` (see DFlashAttention.forward_pooled)."""
         N, Q, H = x_NQH.shape
         if N:
             x_NQH = x_NQH + self.self_attn.forward_pooled(
-                self.input_layernorm(x_NQH), positions_NQ, pool.k[layer_id], pool.v[layer_id], slots_N
+                self.input_layernorm(x_NQH), positions_NQ, pool.k[layer_id], pool.v[layer_id], slots_N, self.window
             )
         # The FFN runs even with no rows: a MoE layer's collectives must be entered by every rank.
-        y_TH = self.mlp(self.post_attention_layernorm(x_NQH).reshape(N * Q, H), plan)
+        h_TH = self.post_attention_layernorm(x_NQH).reshape(N * Q, H)
+        if self.token_routed:
+            y_TH = self.mlp(h_TH, plan, input_ids_NQ.reshape(N * Q))
+        else:
+            y_TH = self.mlp(h_TH, plan)
         return x_NQH + y_TH.view(N, Q, H)
 
 
@@ -231,7 +236,7 @@ class DFlashDraft(nn.Module):
         self, pool: KVPool, slots_N: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None
     ) -> torch.Tensor:
         """`propose` over a KV pool: slots_N [N] int64 (the requests' slots, or the pad slot),
-        anchors_N [N] int64, both on the draft's device. Returns drafts [N, B-1] int64 there.
+        anchors_N [N] int64, both on the draft's device. Returns drafts [N, num_drafts] int64 there.
 
         No host sync on CUDA and shapes that depend on N only: a CUDA graph can hold it.
         """
@@ -242,9 +247,9 @@ class DFlashDraft(nn.Module):
         x = heads.embed(ids_NB).to(self.fc.weight.dtype)
         positions_NB = pool.lengths[slots_N].long().unsqueeze(1) + torch.arange(B, device=device)
         for i, layer in enumerate(self.layers):
-            x = layer.forward_pooled(x, positions_NB, pool, i, slots_N, plan)
+            x = layer.forward_pooled(x, positions_NB, pool, i, slots_N, plan, ids_NB)
         hidden = self.norm(x)
-        return self.readout(hidden[:, 1:], anchors_N, heads)
+        return self.readout(self.draft_rows(hidden), anchors_N, heads)
 
     def forward(
         self,

@@ -68,3 +68,40 @@ def test_pooled_step_equals_the_cache_reference():
     alone = draft.propose_pooled(pool, slots[order], anchors[order], target, None)
     assert torch.equal(alone, draft.propose([caches[i] for i in order], anchors[order], target))
     assert pool.length(10) == 18 and pool.length(20) == 7
+
+
+VARIANTS = {
+    "sliding-2-hash-rnn-autoregressive": ["--sliding-window", "2", "--hash-layers", "1", "--markov", "rnn", "--autoregressive"],
+    "sliding-9-gated": ["--sliding-window", "9", "--markov", "gated"],
+    "vanilla-two-hash": ["--markov", "vanilla", "--hash-layers", "2"],
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_pooled_step_equals_the_cache_reference_for_every_variant(variant, tmp_path):
+    import subprocess
+    import sys
+
+    from epdraft.target.hf import HFTarget
+
+    repo = ASSETS.parents[1]
+    subprocess.run([sys.executable, str(repo / "tools" / "make_variant_draft.py"), str(tmp_path), *VARIANTS[variant]],
+                   check=True, capture_output=True)  # fmt: skip
+    spec = read_draft_spec(tmp_path / "draft")
+    target = HFTarget.from_pretrained(ASSETS / "tiny-target", spec.target_layer_ids)
+    draft = load_draft(tmp_path / "draft", spec=spec)
+    gen = torch.Generator().manual_seed(3)
+    width = spec.num_target_features * spec.hidden_size
+    caches = [draft.new_cache() for _ in range(3)]
+    pool = draft.new_pool(max_requests=3, max_context=64)
+    for rid in range(3):
+        pool.admit(rid)
+    for lens in ((1, 12, 4), (2, 1, 9)):  # contexts shorter and longer than the window and the block
+        batch = [torch.randn(n, width, generator=gen) for n in lens]
+        draft.extend_contexts(caches, batch)
+        draft.extend_pool(pool, [0, 1, 2], batch)
+        anchors = torch.randint(0, spec.vocab_size - 1, (3,), generator=gen)
+        slots = torch.tensor([pool.slot(r) for r in range(3)])
+        expected = draft.propose(caches, anchors, target)
+        assert expected.shape == (3, spec.num_drafts)
+        assert torch.equal(draft.propose_pooled(pool, slots, anchors, target, None), expected)
