@@ -28,6 +28,11 @@ from epdraft.config.hf import parse_ffn_config, read_config_json
 from epdraft.config.parallel import ParallelConfig, check_moe_split
 from epdraft.errors import ConfigError, LoadError, RequestError
 from epdraft.loading.header import FLOAT_DTYPES
+
+# What a draft export may store: float weights, FP8 / MXFP4 quantized experts (F8 values, U8
+# blocks and e8m0 scales) and integer tables (a hash layer's tid2eid). The loader checks each
+# tensor's place and shape; this only refuses what no tensor of a draft can be.
+DRAFT_DTYPES = (*FLOAT_DTYPES, "F8_E4M3", "F8_E5M2", "U8", "I64", "I32")
 from epdraft.loading.source import HeaderSource, checkpoint_weight_map
 from epdraft.models.spec import DraftModelSpec, check_against_target
 from epdraft.target.base import validate_prompt
@@ -105,8 +110,8 @@ def check_draft(path: str | Path) -> tuple[DraftModelSpec, dict[str, Path]]:
     weight_map = checkpoint_weight_map(directory)
     source = HeaderSource(weight_map)
     for name, t in source.tensors.items():
-        if t.dtype not in FLOAT_DTYPES:
-            raise LoadError(f"{weight_map[name]}: {name}: dtype {t.dtype}, expected one of {', '.join(FLOAT_DTYPES)}")
+        if t.dtype not in DRAFT_DTYPES:
+            raise LoadError(f"{weight_map[name]}: {name}: dtype {t.dtype}, expected one of {', '.join(DRAFT_DTYPES)}")
     model = DRAFT_FAMILIES[spec.kind](spec, dtype=torch.float32, device="meta", dispatcher=None)
     load_draft_weights(model, source, origin=str(directory))
     return spec, weight_map
