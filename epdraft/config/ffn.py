@@ -11,6 +11,8 @@ from typing import Annotated, Literal, Union
 
 import msgspec
 
+from epdraft.config.quant import QuantSpec
+
 ScoringFunc = Literal["softmax", "sigmoid", "sqrtsoftplus", "softmax_topk"]
 """`softmax_topk` is gpt-oss: softmax over the k selected logits only (no renorm, no scale)."""
 
@@ -88,11 +90,15 @@ FFNSpec = Union[DraftDenseFFNSpec, DraftMoeFFNSpec]
 
 
 class DraftMixFFNSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One FFN spec per decoder layer, read from an HF / SpecForge config.json."""
+    """One FFN spec per decoder layer, read from an HF / SpecForge config.json.
+
+    `quantization`: how the checkpoint stores its weights (`quantization_config`); None = unquantized.
+    """
 
     family: str
     hidden_size: Annotated[int, msgspec.Meta(ge=1)]
     layers: tuple[FFNSpec, ...]
+    quantization: QuantSpec | None = None
 
     @classmethod
     def from_config(cls, config: dict) -> "DraftMixFFNSpec":

@@ -1,12 +1,14 @@
-"""safetensors -> FFN modules: every export naming, EP/TP-sharded reads, strict checks."""
+"""safetensors -> FFN modules: every export naming, EP/TP-sharded reads, quantized formats, strict checks."""
 
 from epdraft.loading.ffn import check_ffn_loaded, load_ffn, load_into
+from epdraft.loading.quantized import QuantizedSource, quantized_source
 from epdraft.loading.shard import ExpertShard
 from epdraft.loading.source import DictSource, SafetensorsSource, TensorSource, as_source, open_checkpoint
 
 __all__ = [
     "DictSource",
     "ExpertShard",
+    "QuantizedSource",
     "SafetensorsSource",
     "TensorSource",
     "as_source",
@@ -14,4 +16,5 @@ __all__ = [
     "load_ffn",
     "load_into",
     "open_checkpoint",
+    "quantized_source",
 ]

@@ -18,7 +18,7 @@ import torch
 from epdraft.config.hf import read_config_json
 from epdraft.errors import ConfigError, LoadError
 from epdraft.layers.moe_context import MoeContext
-from epdraft.loading import TensorSource, open_checkpoint
+from epdraft.loading import TensorSource, open_checkpoint, quantized_source
 from epdraft.models.dflash import DFlashDraft
 from epdraft.models.dspark import DSparkDraft
 from epdraft.models.spec import DraftModelSpec
@@ -45,7 +45,8 @@ def load_draft(
     spec = DraftModelSpec.from_config(read_config_json(path), source=str(path / "config.json"))
     cls = DSparkDraft if spec.kind == "dspark" else DFlashDraft
     model = cls(spec, dtype=dtype, device=device, moe_context=moe_context)
-    load_draft_weights(model, open_checkpoint(path), origin=str(path))
+    # a quantized export (quantization_config) is dequantized to `dtype` as it is read
+    load_draft_weights(model, quantized_source(open_checkpoint(path), spec.ffn, dtype), origin=str(path))
     return model.eval()
 
 
