@@ -2,7 +2,8 @@
 
 Reads `DIR/config.json` (or the JSON file given), parses it exactly as the runtime does and prints,
 per layer (identical consecutive layers collapsed into a range): dense or MoE, experts x
-intermediate size, top-k, router, shared expert, activation and the routed experts' bf16 bytes.
+intermediate size, top-k, router, shared expert, activation and the routed experts' bytes as stored
+(bf16, or the checkpoint's quantization: mxfp4 4.25 bits a weight, fp8 8 bits plus its scales).
 A config the runtime cannot run exits 2 with one line naming the key.
 """
 
@@ -15,8 +16,8 @@ from epdraft.config.ffn import ActivationSpec, DraftDenseFFNSpec, DraftMixFFNSpe
 from epdraft.config.hf import parse_ffn_config, read_config_json
 from epdraft.errors import ConfigError
 
-_BF16_BYTES = 2
-_COLUMNS = ("layers", "kind", "E x I", "top-k", "router", "shared expert", "activation", "experts (bf16)")
+_BF16_BITS = 16
+_COLUMNS = ("layers", "kind", "E x I", "top-k", "router", "shared expert", "activation")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,21 +36,25 @@ def main(args: argparse.Namespace) -> int:
 
 
 def format_plan(spec: DraftMixFFNSpec, source: str = "") -> str:
-    """The plan as text: a header, one row per run of identical layers, the total expert bytes."""
-    rows = [_COLUMNS]
+    """The plan as text: a header, the weights' format if quantized, one row per run of identical layers, the
+    total expert bytes (as stored)."""
+    fmt = spec.quantization.method if spec.quantization is not None else "bf16"
+    bits = spec.quantization.bits_per_weight if spec.quantization is not None else _BF16_BITS
+    rows = [(*_COLUMNS, f"experts ({fmt})")]
     total = 0
     for first, last, layer in _runs(spec.layers):
-        layer_bytes = _expert_bytes(layer, spec.hidden_size)
+        layer_bytes = _expert_bytes(layer, spec.hidden_size, bits)
         total += layer_bytes * (last - first + 1)
         span = str(first) if first == last else f"{first}-{last}"
         rows.append((span, *_describe(layer), _human(layer_bytes) if layer_bytes else "-"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     num_moe = len(spec.moe_layers)
     header = (f"{source + ': ' if source else ''}family {spec.family}, hidden {spec.hidden_size}, "
               f"{spec.num_layers} layers ({spec.num_layers - num_moe} dense, {num_moe} MoE)")
-    footer = f"routed expert weights (bf16): {_human(total)} total ({total} bytes)"
-    return "\n".join([header, *table, footer])
+    weights = [f"weights: {spec.quantization.describe()}"] if spec.quantization is not None else []
+    footer = f"routed expert weights ({fmt}): {_human(total)} total ({total} bytes)"
+    return "\n".join([header, *weights, *table, footer])
 
 
 def _config_file(path: str) -> Path:
@@ -98,8 +103,11 @@ def _activation(act: ActivationSpec) -> str:
     return text + (f" clamp {act.limit:g}" if act.limit > 0 else "")
 
 
-def _expert_bytes(layer: FFNSpec, hidden_size: int) -> int:
-    return layer.expert_bytes(hidden_size, _BF16_BYTES) if isinstance(layer, DraftMoeFFNSpec) else 0
+def _expert_bytes(layer: FFNSpec, hidden_size: int, bits_per_weight: float) -> int:
+    """Stored bytes of one layer's routed experts (scales included for a quantized format)."""
+    if not isinstance(layer, DraftMoeFFNSpec):
+        return 0
+    return round(layer.expert_bytes(hidden_size, 1) * bits_per_weight / 8)
 
 
 def _human(num_bytes: int) -> str:

@@ -11,7 +11,7 @@ dequantizes them and as the bf16 gpt-oss export stores them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -19,7 +19,7 @@ from epdraft.config.ffn import DraftMixFFNSpec, DraftMoeFFNSpec
 from epdraft.config.quant import MXFP4_GROUP, QuantSpec
 from epdraft.errors import LoadError
 from epdraft.loading.quant import dequantize_mxfp4, e8m0_to_float, expand_block_scales
-from epdraft.loading.source import Index, TensorSource
+from epdraft.loading.source import Index, TensorSource, as_source
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,15 @@ class QuantizedSource:
     module `modules_to_not_convert` lists, and (on read) an fp8 weight without scales.
     """
 
-    def __init__(self, source: TensorSource, spec: QuantSpec, dtype: torch.dtype, *, transposed_stacked: bool) -> None:
+    def __init__(
+        self,
+        source: Mapping[str, torch.Tensor] | TensorSource,
+        spec: QuantSpec,
+        dtype: torch.dtype,
+        *,
+        transposed_stacked: bool,
+    ) -> None:
+        source = as_source(source)
         self._source, self._spec, self._dtype = source, spec, dtype
         self._transposed = transposed_stacked
         self._quantized: dict[str, tuple[str, str]] = {}  # logical name -> (values name, scales name)
