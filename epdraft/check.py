@@ -38,12 +38,12 @@ def main(args: argparse.Namespace) -> int:
 def format_plan(spec: DraftMixFFNSpec, source: str = "") -> str:
     """The plan as text: a header, the weights' format if quantized, one row per run of identical layers, the
     total expert bytes (as stored)."""
-    fmt = spec.quantization.method if spec.quantization is not None else "bf16"
-    bits = spec.quantization.bits_per_weight if spec.quantization is not None else _BF16_BITS
+    stored = {_stored_format(layer) for layer in spec.layers if isinstance(layer, DraftMoeFFNSpec)}
+    fmt = "/".join(sorted(stored)) or "bf16"
     rows = [(*_COLUMNS, f"experts ({fmt})")]
     total = 0
     for first, last, layer in _runs(spec.layers):
-        layer_bytes = _expert_bytes(layer, spec.hidden_size, bits)
+        layer_bytes = _expert_bytes(layer, spec.hidden_size)
         total += layer_bytes * (last - first + 1)
         span = str(first) if first == last else f"{first}-{last}"
         rows.append((span, *_describe(layer), _human(layer_bytes) if layer_bytes else "-"))
@@ -103,11 +103,16 @@ def _activation(act: ActivationSpec) -> str:
     return text + (f" clamp {act.limit:g}" if act.limit > 0 else "")
 
 
-def _expert_bytes(layer: FFNSpec, hidden_size: int, bits_per_weight: float) -> int:
+def _stored_format(layer: DraftMoeFFNSpec) -> str:
+    return layer.quantization.method if layer.quantization is not None else "bf16"
+
+
+def _expert_bytes(layer: FFNSpec, hidden_size: int) -> int:
     """Stored bytes of one layer's routed experts (scales included for a quantized format)."""
     if not isinstance(layer, DraftMoeFFNSpec):
         return 0
-    return round(layer.expert_bytes(hidden_size, 1) * bits_per_weight / 8)
+    bits = layer.quantization.bits_per_weight if layer.quantization is not None else _BF16_BITS
+    return round(layer.expert_bytes(hidden_size, 1) * bits / 8)
 
 
 def _human(num_bytes: int) -> str:

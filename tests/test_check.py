@@ -61,6 +61,9 @@ def test_plan_columns_per_family(capsys):
           "experts (mxfp4)", "routed expert weights (mxfp4)")),
         ("deepseek-v3", {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
          ("weights: fp8 e4m3 (fp32 scale per 128x128 block)", "experts (fp8)")),
+        ("qwen3-30b-a3b", {"quant_method": "fp8", "weight_block_size": [128, 128],
+                           "modules_to_not_convert": ["mlp.experts"]},
+         ("not converted: mlp.experts", "experts (bf16)", "routed expert weights (bf16)")),
     ],
 )
 def test_quantized_config_shows_its_format_and_stored_bytes(capsys, tmp_path, name, quantization, needles):

@@ -112,7 +112,9 @@ def parse_ffn_config(config: dict) -> DraftMixFFNSpec:
     family = _detect_family(config)
     moe = _moe_spec(view, family, count)
     is_moe = _moe_schedule(view, family, num_layers)
-    layers: tuple[FFNSpec, ...] = tuple(moe if m else _dense_spec(view) for m in is_moe)
+    layers: tuple[FFNSpec, ...] = tuple(
+        _quantized_experts(moe, quantization, i) if m else _dense_spec(view) for i, m in enumerate(is_moe)
+    )
     name = family.name
     if family is SPECFORGE and view.has("moe_preset"):
         name = f"specforge/{view.get('moe_preset', str)}"
@@ -128,6 +130,13 @@ def _quantization(view: _View) -> QuantSpec | None:
     if not view.has("quantization_config"):
         return None
     return parse_quantization_config(view.data["quantization_config"], view.path("quantization_config"))
+
+
+def _quantized_experts(moe: DraftMoeFFNSpec, quantization: QuantSpec | None, layer: int) -> DraftMoeFFNSpec:
+    """The layer's spec with the storage of its routed experts (`model.layers.N.mlp.experts`)."""
+    if quantization is None or not quantization.converts(f"model.layers.{layer}.mlp.experts"):
+        return moe
+    return msgspec.structs.replace(moe, quantization=quantization)
 
 
 def _detect_family(config: dict) -> Family:

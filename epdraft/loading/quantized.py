@@ -53,8 +53,8 @@ class QuantizedSource:
             self._pair(names, _BLOCKS, _SCALES)
         else:
             self._pair(names, "", _SCALE_INV)
-        log.info("%d %s tensor(s) dequantized to %s at load (%s)", len(self._quantized), spec.method,
-                 str(dtype).removeprefix("torch."), spec.describe())
+        log.debug("%d %s tensor(s) in the checkpoint, read dequantized to %s (%s)", len(self._quantized),
+                  spec.method, str(dtype).removeprefix("torch."), spec.describe())
 
     def _pair(self, names: set[str], values_suffix: str, scales_suffix: str) -> None:
         fmt = self._spec.method
@@ -96,6 +96,14 @@ class QuantizedSource:
 
     def keys(self) -> Iterable[str]:
         return [*self._plain, *self._quantized]
+
+    def stored_names(self, name: str) -> tuple[str, str] | None:
+        """(values, scales) names holding logical tensor `name` as stored; None if it is stored unquantized."""
+        return self._quantized.get(name)
+
+    def get_stored(self, name: str, index: Index = ()) -> torch.Tensor:
+        """A stored tensor (blocks, scales, fp8 values) as it is in the checkpoint, `index` slice only."""
+        return self._source.get(name, index)
 
     def _natural_shape(self, logical: str) -> tuple[int, ...]:
         values, _ = self._quantized[logical]

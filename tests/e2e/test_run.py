@@ -103,4 +103,4 @@ def test_run_quantized_draft_dequantized_at_load(fmt, layout, trained, tmp_path)
     assert summary is not None and summary["lossless"] is True, proc.stdout
     assert summary["accept_length"] >= (2.0 if trained else 1.0), proc.stdout
     logged = [line for line in (proc.stdout + proc.stderr).splitlines() if "dequantized to float32 at load" in line]
-    assert len(logged) == 2 and all(f" {fmt} tensor(s)" in line for line in logged), logged
+    assert len(logged) == 2 and all(f"{fmt} checkpoint dequantized" in line for line in logged), logged

@@ -93,3 +93,41 @@ def test_quantized_refusals_name_the_tensor():
     w2 = quantize_weights(torch.randn(4, 256, 128, device="cuda", generator=gen), "mxfp4")
     with pytest.raises(ConfigError, match="needs? bf16 activations"):
         fused_experts_quantized(x.half(), ids, weights, w13, w2, ActivationSpec())
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_draft_moe_keeps_quantized_experts_on_cuda(fmt):
+    """A DraftMoE built on CUDA in bf16 from a quantized checkpoint holds the stored blocks and runs the
+    quantized kernels; its output matches the same layer holding the dequantized weights."""
+    import msgspec
+
+    from epdraft.config.ffn import DraftMoeFFNSpec, RouterSpec
+    from epdraft.config.quant import QuantSpec
+    from epdraft.layers import DraftMoE
+    from epdraft.loading import QuantizedSource, load_ffn
+    from epdraft.loading.quant import quantize_fp8, quantize_mxfp4
+
+    E, I, H = 16, 256, 512
+    quant = QuantSpec(method=fmt, block=(128, 128) if fmt == "fp8" else (1, 32), not_converted=("mlp.gate",))
+    spec = DraftMoeFFNSpec(router=RouterSpec(num_experts=E, top_k=4), intermediate_size=I, quantization=quant)
+    gen = torch.Generator().manual_seed(11)
+    tensors = {"layers.0.mlp.gate.weight": torch.randn(E, H, generator=gen)}
+    for e in range(E):
+        for part, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            name = f"layers.0.mlp.experts.{e}.{part}_proj.weight"
+            w = torch.randn(*shape, generator=gen) * shape[1] ** -0.5
+            if fmt == "mxfp4":
+                blocks, scales = quantize_mxfp4(w)
+                tensors |= {name + "_blocks": blocks, name + "_scales": scales}
+            else:
+                q, scale = quantize_fp8(w, (128, 128))
+                tensors |= {name: q, name + "_scale_inv": scale}
+    held = DraftMoE(spec, H, layer_id=0, dtype=torch.bfloat16, device="cuda")
+    plain = DraftMoE(msgspec.structs.replace(spec, quantization=None), H, layer_id=0, dtype=torch.bfloat16,
+                     device="cuda")
+    for module in (held, plain):
+        load_ffn(module, QuantizedSource(tensors, quant, torch.bfloat16, transposed_stacked=False), 0)
+    assert held.experts.quantization == quant and plain.experts.quantization is None
+    x = torch.randn(64, H, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        assert_matches(held(x), plain(x))

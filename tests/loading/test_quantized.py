@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -48,9 +49,9 @@ def _quantize(fmt, name, w):
     return {name: q, f"{name}_scale_inv": scale}, dequantize_fp8(q, scale, SPECS["fp8"].block, torch.float32)
 
 
-def _checkpoint(fmt, layout, seed=0):
+def _checkpoint(fmt, layout, seed=0, I=None):
     """(quantized tensors, dequantized gate [E, I, H], up, down [E, H, I], router [E, H])."""
-    I = SIZES[fmt]
+    I = I or SIZES[fmt]
     gen = torch.Generator().manual_seed(seed)
     gate, up, down = torch.randn(E, I, H, generator=gen), torch.randn(E, I, H, generator=gen), torch.randn(E, H, I,
                                                                                                           generator=gen)
@@ -232,3 +233,63 @@ def test_quantization_config_parses_both_formats():
     assert mx.block == (1, 32) and mx.bits_per_weight == 4.25
     assert not mx.converts("model.layers.7.mlp.router") and not mx.converts("layers.7.self_attn.q_proj")
     assert mx.converts("model.layers.7.mlp.experts") and mx.converts("model.layers.7.mlp.router_x")
+
+
+@pytest.fixture
+def kernels_can_run(monkeypatch):
+    """Layers keep their quantized experts as if on CUDA with bf16 (the choice DraftMoE makes there)."""
+    monkeypatch.setattr(DraftMoeFFNSpec, "quantized_kernel_reason", lambda self, *a, **k: None)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("layout", ["per-expert", "fused"])
+@pytest.mark.parametrize("ep_rank", [0, 1])
+def test_experts_held_quantized_read_only_their_stored_blocks(tmp_path, kernels_can_run, fmt, layout, ep_rank):
+    """Where the fused kernels run them, experts keep the stored values and scales (this rank's only)
+    and compute what the dequantized experts compute."""
+    I = 64  # fp8 16 x 32 blocks: the gate/up boundary on a scale row
+    tensors, *_ = _checkpoint(fmt, layout, seed=3, I=I)
+    path = _save(tensors, tmp_path / "q.safetensors")
+    spec = msgspec.structs.replace(_moe_spec(I), quantization=SPECS[fmt])
+    source = CountingSource(open_checkpoint(path))
+    held = DraftMoE(spec, H, layer_id=LAYER, moe_context=MoeContext(ep_rank=ep_rank, ep_size=2))
+    load_ffn(held, QuantizedSource(source, SPECS[fmt], torch.float32, transposed_stacked=False), LAYER)
+    assert held.experts.quantization == SPECS[fmt]
+    assert held.experts.w13.dtype == (torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn)
+    stored = sum(t.numel() * t.element_size() for n, t in tensors.items() if ".experts." in n)
+    assert sum(b for n, _, b in source.reads if ".experts." in n) == stored // 2
+    plain = DraftMoE(_moe_spec(I), H, layer_id=LAYER, moe_context=MoeContext(ep_rank=ep_rank, ep_size=2))
+    load_ffn(plain, QuantizedSource(open_checkpoint(path), SPECS[fmt], torch.float32, transposed_stacked=False), LAYER)
+    w13, w2 = held.experts.weights()
+    assert torch.equal(w13.dequantized(torch.float32), plain.experts.w13)
+    assert torch.equal(w2.dequantized(torch.float32), plain.experts.w2)
+    gen = torch.Generator().manual_seed(9)
+    rows, ids = torch.randn(5, H, generator=gen), torch.randint(-1, E // 2, (5, 2), generator=gen)
+    weights = torch.rand(5, 2, generator=gen)
+    assert torch.equal(held.experts(rows, ids, weights), plain.experts(rows, ids, weights))
+
+
+def test_held_quantized_experts_refuse_an_unquantized_tensor(kernels_can_run, quantized):
+    tensors = dict(quantized["mxfp4"])
+    name = f"{P}experts.2.gate_proj.weight"
+    tensors.pop(name + "_blocks"), tensors.pop(name + "_scales")
+    tensors[name] = torch.zeros(SIZES["mxfp4"], H)
+    spec = msgspec.structs.replace(_moe_spec(SIZES["mxfp4"]), quantization=SPECS["mxfp4"])
+    module = DraftMoE(spec, H, layer_id=LAYER)
+    with pytest.raises(LoadError, match=re.escape(f"{name}: the layer's experts are mxfp4") + ".*stored unquantized"):
+        load_ffn(module, QuantizedSource(tensors, SPECS["mxfp4"], torch.float32, transposed_stacked=False), LAYER)
+
+
+def test_where_experts_stay_quantized():
+    """CUDA + bf16 + whole experts + kernel-friendly sizes keep them; anything else dequantizes, saying why."""
+    spec = msgspec.structs.replace(_moe_spec(512), quantization=SPECS["mxfp4"])
+    ok = dict(tp_size=1, device_type="cuda", dtype="bfloat16")
+    assert spec.quantized_kernel_reason(1024, **ok) is None
+    assert "here cpu, float32" in spec.quantized_kernel_reason(1024, **{**ok, "device_type": "cpu", "dtype": "float32"})
+    assert "moe_tp = 2" in spec.quantized_kernel_reason(1024, **{**ok, "tp_size": 2})
+    assert "multiples of 64" in spec.quantized_kernel_reason(1000, **ok)
+    fp8 = msgspec.structs.replace(spec, quantization=QuantSpec(method="fp8", block=(128, 128)))
+    assert fp8.quantized_kernel_reason(1024, **ok) is None
+    assert "I % 128" in msgspec.structs.replace(fp8, intermediate_size=192).quantized_kernel_reason(1024, **ok)
+    oss = msgspec.structs.replace(_moe_spec(512, oss=True), quantization=SPECS["mxfp4"])
+    assert "gpt-oss" in oss.quantized_kernel_reason(1024, **ok)
