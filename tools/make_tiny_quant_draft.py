@@ -14,7 +14,7 @@ epdraft's own quantizers (`epdraft.loading.quant`):
 - fp8: every MLP projection (routed and shared experts) as e4m3 `weight` + fp32 `weight_scale_inv`
   per 128 x 128 block (I = 96 makes the blocks partial); the router, shared-expert gate, attention
   and `fc` are listed in `modules_to_not_convert`.
-About 1.5 MB (mxfp4) or 2 MB (fp8).
+About 1.5 MB (mxfp4) or 1.3 MB (fp8).
 """
 
 from __future__ import annotations

@@ -113,9 +113,9 @@ def fused_experts_quantized(
     """`fused_experts` on quantized weights (`ExpertWeights`, both GEMMs in one format): the same
     result as `experts_reference` on `w13.dequantized(bf16)` and `w2.dequantized(bf16)`, within bf16 drift.
 
-    x_TH is bf16. FP8 needs a scale block whose columns are a multiple of 64; K of both GEMMs
-    (H and F) must be a multiple of 64 (128 for FP8 blocks of 128). The tuned table is the format's
-    own (`weights=fp8|mxfp4` in its file name).
+    x_TH is bf16; H and F must be multiples of 64 (the kernels run whole K tiles of 64 or more) and
+    FP8 scale blocks must have a multiple of 64 columns. The tuned table is the format's own
+    (`weights=fp8|mxfp4` in its file name), else the shape's bf16 table cut by `fit_format`.
 
     Raises:
         ConfigError: a tensor with the wrong shape, dtype, device or layout, or a format the kernels cannot take.

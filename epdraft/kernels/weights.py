@@ -4,6 +4,8 @@
     fp8    values [e, N, K] float8_e4m3fn, scales [e, ceil(N/bn), ceil(K/bk)] fp32 (`weight_scale_inv`)
     mxfp4  values [e, N, K/2] uint8 (two e2m1 a byte, low nibble first), scales [e, N, K/32] uint8 e8m0
 N and K are the logical (dequantized) sizes: w13 is [e, 2F, H] (gate rows, then up rows), w2 [e, H, F].
+FP8 scales are those of the whole [N, K] matrix: for w13 of gate and up rows stacked, so a gate and
+an up projection quantized apart stack into w13 only when F is a multiple of the block rows.
 The checkpoint's own tensors are these, stacked per expert (`epdraft.loading.quant` says the formats).
 """
 

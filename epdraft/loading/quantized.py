@@ -28,7 +28,11 @@ _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class QuantizedSource:
-    """`source` with its quantized tensors read dequantized to `dtype`.
+    """`source` with its quantized tensors read dequantized to `dtype` (a TensorSource itself).
+
+    `transposed_stacked`: 3-d mxfp4 tensors read transposed (the gpt-oss layout, see the module
+    docstring). `stored_names` / `get_stored` give the stored tensors to experts that keep them
+    quantized (`epdraft.loading.ffn`).
 
     Raises LoadError, naming the tensor and the format, for blocks without scales (or scales
     without their weight), a scales shape that does not cover the weight, a quantized tensor of a
@@ -57,6 +61,7 @@ class QuantizedSource:
                   spec.method, str(dtype).removeprefix("torch."), spec.describe())
 
     def _pair(self, names: set[str], values_suffix: str, scales_suffix: str) -> None:
+        """Pair every `X + values_suffix` with `X + scales_suffix` as logical `X`; the rest is read as stored."""
         fmt = self._spec.method
         for name in sorted(names):
             if name.endswith(scales_suffix):
