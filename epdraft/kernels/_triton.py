@@ -142,15 +142,16 @@ def _dot_quantized(a, acc, w_ptr, s_ptr, expert, rows, k0, stride_we, stride_wn,
                    W_FMT: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc + a @ W[rows, k0 : k0 + BLOCK_K]^T for quantized weight rows `rows` (int64) of `expert`.
 
-    FP8: the e4m3 tile times its block's fp32 scale, rounded once to a's dtype (as the reference
-    dequantizes); MXFP4: `tl.dot_scaled` (e2m1 upcast with its e8m0 scales, exact in bf16).
+    FP8: the e4m3 tile (exact in bf16) times a, then the product times the block's fp32 scale per
+    column; MXFP4: `tl.dot_scaled` (e2m1 upcast with its e8m0 scales, exact in bf16).
     """
     if W_FMT == 1:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + expert * stride_we + rows[None, :] * stride_wn + offs_k[:, None])
         scale = tl.load(s_ptr + expert * stride_se + (rows // QBN) * stride_sn + k0 // QBK)
-        w = (w.to(tl.float32) * scale[None, :]).to(a.dtype)
-        return tl.dot(a, w, acc)
+        # e4m3 -> bf16 is exact; the block's scale multiplies this K tile's partial product (a BLOCK_K
+        # tile never crosses a scale block), BLOCK_M x BLOCK_N multiplies instead of BLOCK_K x BLOCK_N
+        return acc + tl.dot(a, w.to(a.dtype)) * scale[None, :]
     else:
         offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         w = tl.load(w_ptr + expert * stride_we + rows[None, :] * stride_wn + offs_b[:, None])
@@ -205,7 +206,7 @@ def gemm1_act_kernel(
     W_FMT: 0 = weights in x's dtype; 1 = FP8 e4m3 with fp32 scales per (QBN x QBK) block in `s_ptr`
     (`[e, ceil(2F/QBN), ceil(H/QBK)]`, QBK a multiple of BLOCK_K); 2 = MXFP4, `w_ptr` the packed
     bytes `[e, 2F, H/2]` and `s_ptr` the e8m0 scales `[e, 2F, H/32]`. Quantized tiles are
-    dequantized to bf16 right after their load, then multiplied as the bf16 ones (K must be even).
+    converted to bf16 right after their load and scaled (`_dot_quantized`); K must be even.
 
     With SPLIT_K > 1 each program sums one slice of H into fp32 partials (`part_ptr`, gate then up
     columns); the tile's last program to arrive (counted in `arrived_ptr`, left zeroed) adds the

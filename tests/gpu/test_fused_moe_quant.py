@@ -1,9 +1,10 @@
 """Fused experts on FP8 (128 x 128 block scales) and MXFP4 weights against `experts_reference` on the
 dequantized bf16 weights: the four `epdraft bench kernel` shapes, T in {0, 1, 16, 128, 512, 2048}.
 
-The bound is DESIGN.md's bf16 drift (max |dy| <= 0.2 mean|y|, mean <= 0.02 mean|y|): the kernels
-dequantize each tile exactly as the reference does (MXFP4 is exact in bf16; FP8 rounds fp8 * scale
-once to bf16, as `dequantize_fp8` does), so what differs is accumulation order, as for bf16 weights.
+The bound is DESIGN.md's bf16 drift (max |dy| <= 0.2 mean|y|, mean <= 0.02 mean|y|). MXFP4 tiles are
+exact in bf16, as the reference's dequantization is; FP8 tiles multiply as exact e4m3 values and
+their block scale is applied to the fp32 partial product, where the reference rounds fp8 * scale
+to bf16 first: a difference of at most one bf16 rounding per weight, besides accumulation order.
 """
 
 from __future__ import annotations
