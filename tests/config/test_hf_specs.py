@@ -296,3 +296,16 @@ def test_transformers_deepseek_v4_default_has_hash_layers_we_refuse():
     del config["num_hash_layers"]
     assert transformers.AutoConfig.for_model(**config).mlp_layer_types[:3] == ["hash_moe"] * 3
     refused(config, "hash")
+
+
+def test_quantization_reaches_the_layers_whose_experts_are_converted():
+    from epdraft.config.quant import QuantSpec
+
+    config = load("deepseek-v3") | {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                                            "modules_to_not_convert": ["model.layers.3.mlp.experts"]}}
+    spec = parse_ffn_config(config)
+    fp8 = QuantSpec(method="fp8", block=(128, 128), not_converted=("model.layers.3.mlp.experts",))
+    assert spec.quantization == fp8
+    assert spec.layers[3].quantization is None  # listed: its experts are stored unquantized
+    assert all(spec.layers[i].quantization == fp8 for i in spec.moe_layers if i != 3)
+    assert not hasattr(spec.layers[0], "quantization")  # dense layers carry no expert storage
