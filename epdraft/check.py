@@ -3,7 +3,8 @@
 Reads `DIR/config.json` (or the JSON file given), parses it exactly as the runtime does and prints,
 per layer (identical consecutive layers collapsed into a range): dense or MoE, experts x
 intermediate size, top-k, router, shared expert, activation and the routed experts' bytes as stored
-(bf16, or the checkpoint's quantization: mxfp4 4.25 bits a weight, fp8 8 bits plus its scales).
+(bf16, or the checkpoint's quantization: mxfp4 4.25 bits a weight, fp8 8 bits plus its scales);
+for a quantized checkpoint also its format and whether a CUDA bf16 run keeps the experts quantized.
 A config the runtime cannot run exits 2 with one line naming the key.
 """
 
@@ -52,7 +53,9 @@ def format_plan(spec: DraftMixFFNSpec, source: str = "") -> str:
     num_moe = len(spec.moe_layers)
     header = (f"{source + ': ' if source else ''}family {spec.family}, hidden {spec.hidden_size}, "
               f"{spec.num_layers} layers ({spec.num_layers - num_moe} dense, {num_moe} MoE)")
-    weights = [f"weights: {spec.quantization.describe()}"] if spec.quantization is not None else []
+    weights = []
+    if spec.quantization is not None:
+        weights = [f"weights: {spec.quantization.describe()}", _on_cuda(spec)]
     footer = f"routed expert weights ({fmt}): {_human(total)} total ({total} bytes)"
     return "\n".join([header, *weights, *table, footer])
 
@@ -101,6 +104,17 @@ def _router(router: RouterSpec) -> str:
 def _activation(act: ActivationSpec) -> str:
     text = act.kind if act.kind == "swiglu" else f"{act.kind} alpha {act.alpha:g}"
     return text + (f" clamp {act.limit:g}" if act.limit > 0 else "")
+
+
+def _on_cuda(spec: DraftMixFFNSpec) -> str:
+    """What a CUDA bf16 run (moe_tp = 1) does with the quantized routed experts."""
+    layers = [layer for layer in spec.layers if isinstance(layer, DraftMoeFFNSpec) and layer.quantization is not None]
+    if not layers:
+        return "on CUDA: no routed experts are quantized; quantized tensors are dequantized at load"
+    reason = layers[0].quantized_kernel_reason(spec.hidden_size, tp_size=1, device_type="cuda", dtype="bfloat16")
+    if reason is None:
+        return f"on CUDA with bf16: routed experts stay {layers[0].quantization.method} for the fused kernels"
+    return f"on CUDA with bf16: dequantized at load ({reason})"
 
 
 def _stored_format(layer: DraftMoeFFNSpec) -> str:

@@ -58,9 +58,11 @@ def test_plan_columns_per_family(capsys):
     [
         ("gpt-oss-20b", {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]},
          ("weights: mxfp4 (e2m1 values, e8m0 scale per 32), not converted: model.layers.*.self_attn, lm_head",
-          "experts (mxfp4)", "routed expert weights (mxfp4)")),
+          "experts (mxfp4)", "routed expert weights (mxfp4)",
+          "on CUDA with bf16: dequantized at load (gpt-oss interleaves gate and up rows")),
         ("deepseek-v3", {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
-         ("weights: fp8 e4m3 (fp32 scale per 128x128 block)", "experts (fp8)")),
+         ("weights: fp8 e4m3 (fp32 scale per 128x128 block)", "experts (fp8)",
+          "on CUDA with bf16: routed experts stay fp8 for the fused kernels")),
         ("qwen3-30b-a3b", {"quant_method": "fp8", "weight_block_size": [128, 128],
                            "modules_to_not_convert": ["mlp.experts"]},
          ("not converted: mlp.experts", "experts (bf16)", "routed expert weights (bf16)")),
