@@ -123,7 +123,9 @@ def fused_experts_quantized(
     if x_TH.dtype != torch.bfloat16:
         raise ConfigError(f"fused_experts_quantized: x_TH is {x_TH.dtype}, quantized weights need bf16 activations")
     if w13.format != w2.format or w13.format == "bf16":
-        raise ConfigError(f"fused_experts_quantized: w13 is {w13.format}, w2 {w2.format}; expected one quantized format")
+        raise ConfigError(
+            f"fused_experts_quantized: w13 is {w13.format}, w2 {w2.format}; expected one quantized format"
+        )
     e, N, H = w13.shape
     for name, w in (("w13", w13), ("w2", w2)):
         if w.values.device != x_TH.device:

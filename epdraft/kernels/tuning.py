@@ -93,7 +93,9 @@ def fits_format(gemm: GemmConfig, weights: str, reduction: int, scale_cols: int 
     return gemm.block_k >= 64
 
 
-def fit_format(config: MoeKernelConfig, weights: str, scale_cols: int, hidden: int, intermediate: int) -> MoeKernelConfig:
+def fit_format(
+    config: MoeKernelConfig, weights: str, scale_cols: int, hidden: int, intermediate: int
+) -> MoeKernelConfig:
     """`config`, with each GEMM's block_k (and split_k) cut down until the quantized kernels can run it
     (FP8: block_k first, to fit a scale block; then split_k, then block_k, to divide the reduction).
 

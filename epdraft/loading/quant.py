@@ -51,7 +51,9 @@ def expand_block_scales(scale: torch.Tensor, block: tuple[int, int], rows: slice
     return expanded[..., r0 : r0 + rows.stop - rows.start, c0 : c0 + cols.stop - cols.start]
 
 
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+def dequantize_fp8(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
     """[..., N, K] float8_e4m3fn weight times its [..., ceil(N/bn), ceil(K/bk)] block scales, in `dtype`.
 
     fp32 scales are used as stored; uint8 ones are e8m0 exponents (`scale_fmt: ue8m0`).
