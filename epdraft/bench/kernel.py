@@ -224,6 +224,9 @@ def main(args: argparse.Namespace) -> int:
             for num_tokens in tokens:
                 row = {**meta, **_bench_one(name, num_tokens, stored[fmt], dtype, args.config_dir, reference)}
                 rows.append(row)
+                if args.json is not None:  # row by row: a run cut short keeps what it measured
+                    with args.json.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
             del reference
         for num_tokens in tokens:  # printed grouped by T so the formats stand side by side
             base = [r for r in rows if (r["shape"], r["T"], r["weights"]) == (name, num_tokens, "bf16")]
@@ -231,8 +234,4 @@ def main(args: argparse.Namespace) -> int:
                 _print_row(row, base[0]["fused_us"] if base else None)
         del stored
         torch.cuda.empty_cache()
-    if args.json is not None:
-        with args.json.open("a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
     return 0

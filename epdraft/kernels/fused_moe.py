@@ -223,8 +223,8 @@ def up_act(
         BLOCK_N=up.block_n,
         BLOCK_K=up.block_k,
         W_FMT=w13.code,
-        QBN=w13.block[0],
-        QBK=w13.block[1],
+        QBN=w13.block[0] if w13.format == "fp8" else 1,  # only fp8 reads them: one compiled kernel otherwise
+        QBK=w13.block[1] if w13.format == "fp8" else 1,
         num_warps=up.num_warps,
         num_stages=up.num_stages,
     )
@@ -288,8 +288,8 @@ def down_combine(
         BLOCK_N=down.block_n,
         BLOCK_K=down.block_k,
         W_FMT=w2.code,
-        QBN=w2.block[0],
-        QBK=w2.block[1],
+        QBN=w2.block[0] if w2.format == "fp8" else 1,  # only fp8 reads them: one compiled kernel otherwise
+        QBK=w2.block[1] if w2.format == "fp8" else 1,
         num_warps=down.num_warps,
         num_stages=down.num_stages,
     )
