@@ -293,3 +293,12 @@ def test_where_experts_stay_quantized():
     assert "I % 128" in msgspec.structs.replace(fp8, intermediate_size=192).quantized_kernel_reason(1024, **ok)
     oss = msgspec.structs.replace(_moe_spec(512, oss=True), quantization=SPECS["mxfp4"])
     assert "gpt-oss" in oss.quantized_kernel_reason(1024, **ok)
+
+
+def test_quantized_tensors_without_a_quantization_config_are_refused(quantized):
+    """No QuantizedSource (config.json without quantization_config): never read blocks or fp8 values as weights."""
+    for fmt, suffix in (("mxfp4", "_blocks"), ("fp8", "_scale_inv")):
+        module = DraftMoE(_moe_spec(SIZES[fmt]), H, layer_id=LAYER)
+        with pytest.raises(LoadError, match=re.escape(suffix) + ": a quantized tensor, but the config has no "
+                                                                  "quantization_config"):
+            load_ffn(module, quantized[fmt], LAYER)
