@@ -183,7 +183,7 @@ def load_into(module: nn.Module, tensors: Mapping[str, torch.Tensor] | TensorSou
     no router bias): dropping it would silently change the routing the draft was trained with.
     """
     source = as_source(tensors)
-    quantized_names = not isinstance(source, QuantizedSource)
+    refuse_quantized = not isinstance(source, QuantizedSource)
     params = dict(module.named_parameters())
     shard: ExpertShard | None = module.expert_shard
     rules = MLP_RULES if shard is None else MOE_RULES
@@ -192,7 +192,7 @@ def load_into(module: nn.Module, tensors: Mapping[str, torch.Tensor] | TensorSou
     with torch.no_grad():
         for name in source.keys():
             relative = relative_name(name, layer_id)
-            if quantized_names and relative is not None and relative.endswith(_QUANTIZED_SUFFIXES):
+            if refuse_quantized and relative is not None and relative.endswith(_QUANTIZED_SUFFIXES):
                 # read as unquantized, a quantized export would load wrong values (or miss them all)
                 raise LoadError(f"{name}: a quantized tensor, but the config has no quantization_config "
                                 "(mxfp4 blocks/scales or fp8 weight_scale_inv need one)")
