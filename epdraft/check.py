@@ -3,8 +3,10 @@
 Reads `DIR/config.json` (or the JSON file given), parses it exactly as the runtime does and prints,
 per layer (identical consecutive layers collapsed into a range): dense or MoE, experts x
 intermediate size, top-k, router (`hash` for a token-id-routed layer), shared expert, activation,
-the routed experts' bf16 bytes and the attention (full, or sliding with its window). A DFlash /
-DSpark draft's header adds its block size, readout, Markov head and confidence head.
+the routed experts' bytes as stored (bf16, or the checkpoint's quantization: mxfp4 4.25 bits a
+weight, fp8 8 bits plus its scales) and the attention (full, or sliding with its window). A DFlash /
+DSpark draft's header adds its block size, readout, Markov head and confidence head; a quantized
+checkpoint its format and whether a CUDA bf16 run keeps the experts quantized.
 A config the runtime cannot run exits 2 with one line naming the key.
 """
 
@@ -18,8 +20,8 @@ from epdraft.config.hf import parse_ffn_config, read_config_json
 from epdraft.errors import ConfigError
 from epdraft.models.spec import DraftModelSpec
 
-_BF16_BYTES = 2
-_COLUMNS = ("layers", "kind", "E x I", "top-k", "router", "shared expert", "activation", "experts (bf16)", "attention")
+_BF16_BITS = 16
+_COLUMNS = ("layers", "kind", "E x I", "top-k", "router", "shared expert", "activation")
 _DRAFT_KEYS = ("dflash_config", "dspark_config", "dspark_block_size", "dspark_markov_rank", "dspark_target_layer_ids")
 
 
@@ -47,7 +49,8 @@ def format_plan(
     draft: DraftModelSpec | None = None,
     attention: tuple[str, ...] | None = None,
 ) -> str:
-    """The plan as text: a header, one row per run of identical layers, the total expert bytes.
+    """The plan as text: a header, the weights' format if quantized, one row per run of identical
+    layers, the total expert bytes (as stored).
 
     `draft` (a DFlash / DSpark draft's spec) adds its block, readout and heads to the header and
     gives each layer's attention; else `attention` (per layer, e.g. from a target's layer_types).
@@ -55,22 +58,27 @@ def format_plan(
     if draft is not None:
         attention = tuple("full" if draft.window(i) is None else f"sliding {draft.window(i)}" for i in range(draft.num_layers))
     attention = attention or ("full",) * spec.num_layers
-    rows = [_COLUMNS]
+    stored = {_stored_format(layer) for layer in spec.layers if isinstance(layer, DraftMoeFFNSpec)}
+    fmt = "/".join(sorted(stored)) or "bf16"
+    rows = [(*_COLUMNS, f"experts ({fmt})", "attention")]
     total = 0
     for first, last, (layer, attn) in _runs(tuple(zip(spec.layers, attention))):
         layer_bytes = _expert_bytes(layer, spec.hidden_size)
         total += layer_bytes * (last - first + 1)
         span = str(first) if first == last else f"{first}-{last}"
         rows.append((span, *_describe(layer), _human(layer_bytes) if layer_bytes else "-", attn))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     num_moe = len(spec.moe_layers)
     header = (f"{source + ': ' if source else ''}family {spec.family}, hidden {spec.hidden_size}, "
               f"{spec.num_layers} layers ({spec.num_layers - num_moe} dense, {num_moe} MoE)")
     if draft is not None:
         header += "; " + _draft_summary(draft)
-    footer = f"routed expert weights (bf16): {_human(total)} total ({total} bytes)"
-    return "\n".join([header, *table, footer])
+    weights = []
+    if spec.quantization is not None:
+        weights = [f"weights: {spec.quantization.describe()}", _on_cuda(spec)]
+    footer = f"routed expert weights ({fmt}): {_human(total)} total ({total} bytes)"
+    return "\n".join([header, *weights, *table, footer])
 
 
 def _config_file(path: str) -> Path:
@@ -142,8 +150,27 @@ def _activation(act: ActivationSpec) -> str:
     return text + (f" clamp {act.limit:g}" if act.limit > 0 else "")
 
 
+def _on_cuda(spec: DraftMixFFNSpec) -> str:
+    """What a CUDA bf16 run (moe_tp = 1) does with the quantized routed experts."""
+    layers = [layer for layer in spec.layers if isinstance(layer, DraftMoeFFNSpec) and layer.quantization is not None]
+    if not layers:
+        return "on CUDA: no routed experts are quantized; quantized tensors are dequantized at load"
+    reason = layers[0].quantized_kernel_reason(spec.hidden_size, tp_size=1, device_type="cuda", dtype="bfloat16")
+    if reason is None:
+        return f"on CUDA with bf16: routed experts stay {layers[0].quantization.method} for the fused kernels"
+    return f"on CUDA with bf16: dequantized at load ({reason})"
+
+
+def _stored_format(layer: DraftMoeFFNSpec) -> str:
+    return layer.quantization.method if layer.quantization is not None else "bf16"
+
+
 def _expert_bytes(layer: FFNSpec, hidden_size: int) -> int:
-    return layer.expert_bytes(hidden_size, _BF16_BYTES) if isinstance(layer, DraftMoeFFNSpec) else 0
+    """Stored bytes of one layer's routed experts (scales included for a quantized format)."""
+    if not isinstance(layer, DraftMoeFFNSpec):
+        return 0
+    bits = layer.quantization.bits_per_weight if layer.quantization is not None else _BF16_BITS
+    return round(layer.expert_bytes(hidden_size, 1) * bits / 8)
 
 
 def _human(num_bytes: int) -> str:

@@ -81,6 +81,32 @@ def test_target_sliding_layers_in_the_plan(capsys, tmp_path):
     assert rows[0].endswith("full") and rows[1].endswith("sliding 128") and rows[1].split()[0] == "1"
 
 
+@pytest.mark.parametrize(
+    "name, quantization, needles",
+    [
+        ("gpt-oss-20b", {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]},
+         ("weights: mxfp4 (e2m1 values, e8m0 scale per 32), not converted: model.layers.*.self_attn, lm_head",
+          "experts (mxfp4)", "routed expert weights (mxfp4)",
+          "on CUDA with bf16: dequantized at load (gpt-oss interleaves gate and up rows")),
+        ("deepseek-v3", {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
+         ("weights: fp8 e4m3 (fp32 scale per 128x128 block)", "experts (fp8)",
+          "on CUDA with bf16: routed experts stay fp8 for the fused kernels")),
+        ("qwen3-30b-a3b", {"quant_method": "fp8", "weight_block_size": [128, 128],
+                           "modules_to_not_convert": ["mlp.experts"]},
+         ("not converted: mlp.experts", "experts (bf16)", "routed expert weights (bf16)")),
+    ],
+)
+def test_quantized_config_shows_its_format_and_stored_bytes(capsys, tmp_path, name, quantization, needles):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_with(name, quantization_config=quantization)))
+    code, out, err = run_check(capsys, path)
+    assert code == 0, err
+    for needle in needles:
+        assert needle in out, out
+    if name == "deepseek-v3":  # 58 MoE layers of 256 x 3 x 2048 x 7168 weights, 8 bits + 32 / (128 * 128)
+        assert f"({round(58 * 256 * 3 * 2048 * 7168 * (8 + 32 / 128**2) / 8)} bytes)" in out
+
+
 def test_directory_reads_its_config_json(capsys, tmp_path):
     (tmp_path / "config.json").write_text((FIXTURES / "mixtral-8x7b.json").read_text())
     code, out, _ = run_check(capsys, tmp_path)
@@ -111,7 +137,9 @@ MALFORMED = [
     (_with("qwen3.8-27b-dspark-moe", markov_head_type="lstm"), "markov_head_type = 'lstm'"),
     (_with("qwen3.8-27b-dspark-moe", dspark_block_size=9), "dspark_block_size = 9 contradicts block_size = 7"),
     (_with("qwen3-30b-a3b", layer_types=["sliding_attention"] * 48, sliding_window=-1), "sliding_window = -1"),
-    (_with("gpt-oss-20b", quantization_config={"quant_method": "mxfp4"}), "mxfp4"),
+    (_with("gpt-oss-20b", quantization_config={"quant_method": "mxfp6"}), "quant_method = 'mxfp6'"),
+    (_with("deepseek-v3", quantization_config={"quant_method": "fp8", "weight_block_size": [128]}),
+     "quantization_config.weight_block_size = [128]"),
     (_with("qwen3.8-27b-dspark-moe", n_shared_experts=2), "n_shared_experts = 2"),
     (_with("qwen3.8-27b-dspark-moe", scoring_func="tanh"), "scoring_func = 'tanh'"),
     (_with("qwen3.8-27b-dspark-moe", moe_preset="nope"), "moe_preset = 'nope'"),

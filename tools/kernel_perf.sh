@@ -4,10 +4,12 @@
 # to ${OUT:-./kernel-perf}; the tuned tables come back as tables.tar (their names hold '=' and ',').
 #
 # Usage: tools/kernel_perf.sh PHASE...   with PHASE one of
-#   tests[:EXPR]           pytest tests/gpu/test_fused_moe.py [-k EXPR]
+#   tests[:EXPR]           pytest $TESTS (default tests/gpu/test_fused_moe.py tests/gpu/test_fused_moe_quant.py) [-k EXPR]
 #   tune:SHAPES:TOKENS     e.g. tune:A,B:16,128,512,2048 (tables into $TABLES, default /tmp/tables)
 #   bench:shipped|tuned[:SHAPES]  epdraft bench kernel (default A-D; T = 16/128/512/2048) with the
 #                          shipped tables or those in $TABLES; results in bench-<which>.jsonl
+# Weight formats: tune:* tunes $TUNE_WEIGHTS (default bf16), bench:* times $BENCH_WEIGHTS side by side
+# (default bf16; e.g. bf16,fp8,mxfp4).
 # On a machine without internet, put the msgspec wheel in .whl/ first (../shared/tools/device-wheels.sh).
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -27,18 +29,20 @@ for phase in "$@"; do
   case $phase in
     tests|tests:*)
       expr=${phase#tests}; expr=${expr#:}
-      timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_fused_moe.py \
+      # shellcheck disable=SC2086
+      timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider -rf \
+        ${TESTS:-tests/gpu/test_fused_moe.py tests/gpu/test_fused_moe_quant.py} \
         ${expr:+-k "$expr"} 2>&1 | tail -25 | tee -a "$LOG" ;;
     tune:*)
       IFS=: read -r _ shapes tokens <<< "$phase"
       timeout "${TUNE_TIMEOUT:-420}" python3 -m epdraft.cli bench kernel --tune "$shapes" --shapes "" --tokens "$tokens" \
-        --config-dir "$TABLES" 2>&1 | tee -a "$LOG"
+        --weights "${TUNE_WEIGHTS:-bf16}" --config-dir "$TABLES" 2>&1 | tee -a "$LOG"
       tar -cf "$OUT/tables.tar" -C "$TABLES" . ;;
     bench:*)
       IFS=: read -r _ which shapes <<< "$phase"
       dir=epdraft/kernels/configs; [ "$which" = tuned ] && dir=$TABLES
-      timeout 240 python3 -m epdraft.cli bench kernel --shapes "${shapes:-A,B,C,D}" --config-dir "$dir" \
-        --json "$OUT/bench-$which.jsonl" 2>&1 | tee -a "$LOG" ;;
+      timeout "${BENCH_TIMEOUT:-240}" python3 -m epdraft.cli bench kernel --shapes "${shapes:-A,B,C,D}" \
+        --weights "${BENCH_WEIGHTS:-bf16}" --config-dir "$dir" --json "$OUT/bench-$which.jsonl" 2>&1 | tee -a "$LOG" ;;
     *) echo "unknown phase $phase" | tee -a "$LOG"; exit 2 ;;
   esac
 done

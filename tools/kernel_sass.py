@@ -31,13 +31,17 @@ POINTERS = {
     "num_padded_ptr": "*i32", "topk_weights_ptr": "*fp32",
 }  # fmt: skip
 # Scalars the launches pass that are multiples of 16 on every shipped shape (so Triton specialises them).
-ALIGNED = {"F", "H", "stride_xt", "stride_we", "stride_wn", "stride_wh", "stride_be", "stride_hm", "stride_ps",
-           "stride_os", "stride_om"}  # fmt: skip
+ALIGNED = {"F", "H", "stride_xt", "stride_we", "stride_wn", "stride_wh", "stride_se", "stride_sn", "stride_sh",
+           "stride_be", "stride_hm", "stride_ps", "stride_os", "stride_om"}  # fmt: skip
 FLOATS = {"limit", "alpha"}
 
-UP = dict(TOP_K=2, ACT=0, HAS_LIMIT=False, HAS_BIAS=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128)
-DOWN = dict(HAS_BIAS=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128)
-# (name, kernel, constexprs, num_warps, num_stages, dtype of out_ptr)
+UP = dict(TOP_K=2, ACT=0, HAS_LIMIT=False, HAS_BIAS=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
+          W_FMT=0, QBN=1, QBK=1)
+DOWN = dict(HAS_BIAS=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, W_FMT=0, QBN=1, QBK=1)
+FP8 = dict(W_FMT=1, QBN=128, QBK=128)
+MXFP4 = dict(W_FMT=2)
+QUANT_POINTERS = {1: {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, 2: {"w_ptr": "*u8", "s_ptr": "*u8"}}
+# (name, kernel, constexprs, num_warps, num_stages, dtype of out_ptr); quantized cases last (new in issue 15)
 CASES = [
     ("up", kernels.gemm1_act_kernel, UP, 4, 4, "*bf16"),
     ("up split 2, swigluoai, bias, limit, odd K", kernels.gemm1_act_kernel,
@@ -46,6 +50,12 @@ CASES = [
     ("down", kernels.gemm2_weight_kernel, DOWN, 4, 4, "*bf16"),
     ("down split 4, bias, odd K", kernels.gemm2_weight_kernel,
      {**DOWN, "HAS_BIAS": True, "SPLIT_K": 4, "EVEN_K": False, "BLOCK_M": 32, "BLOCK_N": 64}, 4, 5, "*fp32"),
+    ("up fp8", kernels.gemm1_act_kernel, {**UP, **FP8}, 4, 4, "*bf16"),
+    ("up mxfp4", kernels.gemm1_act_kernel, {**UP, **MXFP4}, 4, 4, "*bf16"),
+    ("up mxfp4 split 2, 64x64", kernels.gemm1_act_kernel,
+     {**UP, **MXFP4, "SPLIT_K": 2, "BLOCK_M": 64, "BLOCK_N": 64}, 4, 3, "*bf16"),
+    ("down fp8", kernels.gemm2_weight_kernel, {**DOWN, **FP8}, 4, 4, "*bf16"),
+    ("down mxfp4", kernels.gemm2_weight_kernel, {**DOWN, **MXFP4}, 4, 4, "*bf16"),
 ]  # fmt: skip
 
 
@@ -56,7 +66,8 @@ def sass(fn, constexprs: dict, num_warps: int, num_stages: int, out_type: str) -
         if name in constexprs:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
-            signature[name] = out_type if name == "out_ptr" else POINTERS.get(name, "*bf16")
+            pointers = {**POINTERS, **QUANT_POINTERS.get(constexprs["W_FMT"], {})}
+            signature[name] = out_type if name == "out_ptr" else pointers.get(name, "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32" if name in FLOATS else "i32"

@@ -1,5 +1,11 @@
 """`epdraft bench kernel`: fused experts vs torch._grouped_mm vs the reference loop, against the memory roofline.
 
+With `--weights bf16,fp8,mxfp4` every shape and T runs in each weight format side by side, on the
+same random weights (quantized by `epdraft.loading.quant`; fp8 with 128 x 128 blocks) and routing:
+bytes count each format's stored values and scales, `x bf16` is the bf16 row's time over this one,
+and the error is against `experts_reference` on the format's dequantized weights. grouped_mm and
+the reference loop are timed for bf16 rows only.
+
 Every path runs on the same random routing; the fused and grouped_mm paths are timed as CUDA-graph
 replays (median of `triton.testing.do_bench`), the reference loop eagerly (it synchronizes with the
 host). `fused` is the whole forward; `align` the routing setup alone; `gemms` the fused forward
@@ -25,12 +31,15 @@ from epdraft.errors import ConfigError
 from epdraft.kernels.tuning import (
     CONFIG_DIR,
     config_file_name,
+    fit_format,
     get_config,
     graph_us,
+    quantize_weights,
     random_routing,
     save_table,
     tune,
 )
+from epdraft.kernels.weights import FORMAT_CODES, ExpertWeights
 from epdraft.layers.activations import gated_act
 from epdraft.layers.experts import experts_reference
 
@@ -53,7 +62,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tune", default="", metavar="SHAPE", help="comma list of shapes to tune before timing")
     parser.add_argument("--config-dir", type=Path, default=CONFIG_DIR, help="where tuned tables are read and written")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    parser.add_argument("--weights", default="bf16", help="comma list of weight formats: bf16, fp8, mxfp4")
+    parser.add_argument("--tune-weights", default="", help="formats --tune tunes (default: those of --weights)")
     parser.add_argument("--json", type=Path, default=None, help="append one JSON line per (shape, T) here")
+
+
+def _parse_formats(text: str) -> list[str]:
+    formats = [f for f in text.split(",") if f]
+    unknown = [f for f in formats if f not in FORMAT_CODES]
+    if unknown or not formats:
+        raise ConfigError(f"--weights: unknown format(s) {unknown or text!r}; known: {sorted(FORMAT_CODES)}")
+    return formats
 
 
 def _parse_shapes(text: str) -> list[str]:
@@ -83,7 +102,10 @@ def grouped_mm_experts(x_TH, ids_TK, weights_TK, w13_eNH, w2_eHF, act: Activatio
     return torch.zeros(T, H, dtype=torch.float32, device=x_TH.device).index_add_(0, token, contrib).to(x_TH.dtype)
 
 
-def _bench_one(name: str, num_tokens: int, weights: tuple, dtype: torch.dtype, config_dir: Path) -> dict:
+def _bench_one(name: str, num_tokens: int, weights: tuple[ExpertWeights, ExpertWeights], dtype: torch.dtype,
+               config_dir: Path, bf16: tuple[torch.Tensor, torch.Tensor] | None) -> dict:
+    """One (shape, T, format) row. `bf16` holds the format's dequantized weights for the reference;
+    None for bf16 rows, which also time grouped_mm and the reference loop."""
     from triton.testing import do_bench
 
     from epdraft.kernels.align import align_pairs
@@ -91,16 +113,19 @@ def _bench_one(name: str, num_tokens: int, weights: tuple, dtype: torch.dtype, c
 
     E, I, H, K = SHAPES[name]
     w13, w2 = weights
-    device = w13.device
+    fmt = w13.format
+    device = w13.values.device
     gen = torch.Generator(device=device).manual_seed(num_tokens)
     x = torch.randn(num_tokens, H, device=device, generator=gen).to(dtype)
     ids, topk_w = random_routing(num_tokens, E, K, device, gen)
     act = ActivationSpec()
-    config = get_config(E, 2 * I, H, dtype, num_tokens, K, torch.cuda.get_device_name(device), config_dir)
+    config = get_config(E, 2 * I, H, dtype, num_tokens, K, torch.cuda.get_device_name(device), config_dir, fmt)
+    if fmt != "bf16":
+        config = fit_format(config, fmt, w13.block[1], H, I)
+    ref13, ref2 = bf16 if bf16 is not None else (w13.values, w2.values)
 
     fused = fused_experts_with_config(x, ids, topk_w, w13, w2, act, None, None, config)
-    ref = experts_reference(x, ids, topk_w, w13, w2, act)
-    grouped = grouped_mm_experts(x, ids, topk_w, w13, w2, act)
+    ref = experts_reference(x, ids, topk_w, ref13, ref2, act)
     scale = ref.float().abs().mean().item()
     err = (fused.float() - ref.float()).abs()
 
@@ -110,13 +135,17 @@ def _bench_one(name: str, num_tokens: int, weights: tuple, dtype: torch.dtype, c
     gemms_us = graph_us(
         lambda: down_combine(up_act(x, aligned, w13, None, act, config.up), aligned, ids, topk_w, w2, None, config.down)
     )
-    grouped_us = graph_us(lambda: grouped_mm_experts(x, ids, topk_w, w13, w2, act))
-    ref_us = do_bench(lambda: experts_reference(x, ids, topk_w, w13, w2, act), warmup=5, rep=30, return_mode="median")
-    ref_us *= 1e3
+    row = {}
+    if fmt == "bf16":
+        grouped = grouped_mm_experts(x, ids, topk_w, ref13, ref2, act)
+        grouped_us = graph_us(lambda: grouped_mm_experts(x, ids, topk_w, ref13, ref2, act))
+        ref_us = do_bench(lambda: experts_reference(x, ids, topk_w, ref13, ref2, act), warmup=5, rep=30,
+                          return_mode="median") * 1e3
+        row = {"grouped_mm_us": grouped_us, "reference_us": ref_us, "speedup_vs_grouped_mm": grouped_us / fused_us,
+               "grouped_max_err_rel": (grouped.float() - ref.float()).abs().max().item() / scale}
 
     experts_hit = torch.unique(ids).numel()
-    itemsize = w13.element_size()
-    bytes_moved = experts_hit * 3 * I * H * itemsize + 2 * num_tokens * H * itemsize
+    bytes_moved = experts_hit * (w13.nbytes + w2.nbytes) // E + 2 * num_tokens * H * x.element_size()
     flops = 2 * num_tokens * K * 3 * I * H
     return {
         "shape": name,
@@ -126,21 +155,31 @@ def _bench_one(name: str, num_tokens: int, weights: tuple, dtype: torch.dtype, c
         "k": K,
         "T": num_tokens,
         "dtype": str(dtype).removeprefix("torch."),
+        "weights": fmt,
         "config": msgspec.to_builtins(config),
         "fused_us": fused_us,
         "align_us": align_us,
         "gemms_us": gemms_us,
-        "grouped_mm_us": grouped_us,
-        "reference_us": ref_us,
+        **row,
         "experts_hit": experts_hit,
         "bytes": bytes_moved,
         "roofline_pct": 100 * bytes_moved / (fused_us * 1e-6) / ROOFLINE_BYTES_PER_S,
         "tflops": flops / (fused_us * 1e-6) / 1e12,
-        "speedup_vs_grouped_mm": grouped_us / fused_us,
         "max_err_rel": err.max().item() / scale,
         "mean_err_rel": err.mean().item() / scale,
-        "grouped_max_err_rel": (grouped.float() - ref.float()).abs().max().item() / scale,
     }
+
+
+def _print_row(row: dict, bf16_us: float | None) -> None:
+    gmm = f"{row['grouped_mm_us']:>8.1f}" if "grouped_mm_us" in row else f"{'-':>8}"
+    ref = f"{row['reference_us']:>9.1f}" if "reference_us" in row else f"{'-':>9}"
+    vs = f"{bf16_us / row['fused_us']:>6.2f}" if bf16_us is not None else f"{'-':>6}"
+    print(
+        f"{row['shape']:>5} {row['T']:>5} {row['weights']:>6} {row['fused_us']:>9.1f} {row['align_us']:>8.1f}"
+        f" {row['gemms_us']:>8.1f} {gmm} {ref} {row['bytes'] / 1e6:>9.1f} {row['roofline_pct']:>6.1f}"
+        f" {row['tflops']:>8.1f} {vs} {row['max_err_rel']:>8.4f}",
+        flush=True,
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -150,13 +189,17 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("epdraft bench kernel needs a CUDA device")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     tokens = [int(t) for t in args.tokens.split(",") if t]
+    formats = _parse_formats(args.weights)
+    if dtype != torch.bfloat16 and formats != ["bf16"]:
+        raise ConfigError("--weights fp8/mxfp4 need --dtype bf16 (bf16 activations)")
     device_name = torch.cuda.get_device_name()
     for name in _parse_shapes(args.tune):
         E, I, H, K = SHAPES[name]
-        table = tune(E, I, H, K, dtype, tokens)
-        path = args.config_dir / config_file_name(E, 2 * I, H, dtype, device_name)
-        save_table(table, path)
-        log.info("tuned shape %s -> %s", name, path)
+        for fmt in _parse_formats(args.tune_weights or args.weights):
+            table = tune(E, I, H, K, dtype, tokens, fmt)
+            path = args.config_dir / config_file_name(E, 2 * I, H, dtype, device_name, fmt)
+            save_table(table, path)
+            log.info("tuned shape %s (%s weights) -> %s", name, fmt, path)
     meta = {
         "device": device_name,
         "torch": torch.__version__,
@@ -164,29 +207,31 @@ def main(args: argparse.Namespace) -> int:
         "date": datetime.date.today().isoformat(),
     }
     rows = []
-    header = f"{'shape':>5} {'T':>5} {'fused us':>9} {'align us':>8} {'gemms us':>8} {'gmm us':>8} {'ref us':>9}"
-    header += f" {'bytes MB':>9}"
-    header += f" {'%roof':>6} {'TFLOP/s':>8} {'x gmm':>6} {'max err':>8}"
+    header = f"{'shape':>5} {'T':>5} {'w':>6} {'fused us':>9} {'align us':>8} {'gemms us':>8} {'gmm us':>8}"
+    header += f" {'ref us':>9} {'bytes MB':>9}"
+    header += f" {'%roof':>6} {'TFLOP/s':>8} {'x bf16':>6} {'max err':>8}"
     print(header)
     for name in _parse_shapes(args.shapes):
         E, I, H, K = SHAPES[name]
         gen = torch.Generator(device="cuda").manual_seed(1)
         w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H**-0.5).to(dtype)
         w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I**-0.5).to(dtype)
-        for num_tokens in tokens:
-            row = {**meta, **_bench_one(name, num_tokens, (w13, w2), dtype, args.config_dir)}
-            rows.append(row)
-            print(
-                f"{name:>5} {num_tokens:>5} {row['fused_us']:>9.1f} {row['align_us']:>8.1f}"
-                f" {row['gemms_us']:>8.1f} {row['grouped_mm_us']:>8.1f}"
-                f" {row['reference_us']:>9.1f} {row['bytes'] / 1e6:>9.1f} {row['roofline_pct']:>6.1f}"
-                f" {row['tflops']:>8.1f} {row['speedup_vs_grouped_mm']:>6.2f} {row['max_err_rel']:>8.4f}",
-                flush=True,
-            )
+        stored = {fmt: (quantize_weights(w13, fmt), quantize_weights(w2, fmt)) for fmt in formats}
         del w13, w2
+        for fmt in formats:
+            q13, q2 = stored[fmt]
+            reference = None if fmt == "bf16" else (q13.dequantized(dtype), q2.dequantized(dtype))
+            for num_tokens in tokens:
+                row = {**meta, **_bench_one(name, num_tokens, stored[fmt], dtype, args.config_dir, reference)}
+                rows.append(row)
+                if args.json is not None:  # row by row: a run cut short keeps what it measured
+                    with args.json.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+            del reference
+        for num_tokens in tokens:  # printed grouped by T so the formats stand side by side
+            base = [r for r in rows if (r["shape"], r["T"], r["weights"]) == (name, num_tokens, "bf16")]
+            for row in (r for r in rows if (r["shape"], r["T"]) == (name, num_tokens)):
+                _print_row(row, base[0]["fused_us"] if base else None)
+        del stored
         torch.cuda.empty_cache()
-    if args.json is not None:
-        with args.json.open("a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
     return 0

@@ -8,6 +8,7 @@ from epdraft.config.ffn import (
     FFNSpec,
     RouterSpec,
 )
+from epdraft.config.quant import QuantSpec, parse_quantization_config
 from epdraft.config.parallel import (
     ClusterConfig,
     DraftConfig,
@@ -29,9 +30,11 @@ __all__ = [
     "FFNSpec",
     "ParallelConfig",
     "PlacementConfig",
+    "QuantSpec",
     "RouterSpec",
     "TargetConfig",
     "apply_overrides",
     "load_parallel_config",
     "parallel_config_from_dict",
+    "parse_quantization_config",
 ]

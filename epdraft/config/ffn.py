@@ -12,6 +12,7 @@ from typing import Annotated, Literal, Union
 import msgspec
 
 from epdraft.errors import ConfigError
+from epdraft.config.quant import QuantSpec
 
 ScoringFunc = Literal["softmax", "sigmoid", "sqrtsoftplus", "softmax_topk"]
 """`softmax_topk` is gpt-oss: softmax over the k selected logits only (no renorm, no scale)."""
@@ -78,6 +79,8 @@ class DraftMoeFFNSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
     `expert_bias`: gpt-oss experts carry `gate_up_proj_bias [E, 2I]` and `down_proj_bias [E, H]`.
     `shared_intermediate_size` 0 means no shared expert.
+    `quantization`: how the checkpoint stores this layer's routed experts (None: unquantized, or
+    their module is in `modules_to_not_convert`).
     """
 
     router: RouterSpec
@@ -86,6 +89,7 @@ class DraftMoeFFNSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     expert_bias: bool = False
     shared_intermediate_size: Annotated[int, msgspec.Meta(ge=0)] = 0
     shared_gate: bool = False
+    quantization: QuantSpec | None = None
 
     @property
     def num_experts(self) -> int:
@@ -94,6 +98,29 @@ class DraftMoeFFNSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     @property
     def top_k(self) -> int:
         return self.router.top_k
+
+    def quantized_kernel_reason(self, hidden_size: int, *, tp_size: int, device_type: str, dtype: str) -> str | None:
+        """Why this layer's quantized experts cannot stay quantized for the fused kernels (None: they can).
+
+        The kernels take bf16 activations on CUDA, whole experts (no moe_tp slice of the blocks),
+        reductions H and F that are multiples of 64, and for FP8 scale blocks of 128 x 128 with the
+        gate/up boundary on a block row (I % 128 == 0). gpt-oss's interleaved gate/up rows are not held quantized.
+        """
+        q = self.quantization
+        if q is None:
+            return "unquantized"
+        if device_type != "cuda" or dtype != "bfloat16":
+            return f"quantized experts run on CUDA with bf16 activations; here {device_type}, {dtype}"
+        if tp_size > 1:
+            return f"draft.moe_tp = {tp_size} slices the experts; quantized experts are held whole"
+        if self.activation.kind == "swigluoai":
+            return "gpt-oss interleaves gate and up rows; quantized experts are held gate rows first"
+        F = self.intermediate_size
+        if hidden_size % 64 or F % 64:
+            return f"hidden {hidden_size} and intermediate {F} must be multiples of 64"
+        if q.method == "fp8" and (q.block != (128, 128) or F % 128):
+            return f"fp8 experts need 128 x 128 scale blocks and I % 128 == 0 (block {list(q.block)}, I = {F})"
+        return None
 
     def expert_bytes(self, hidden_size: int, itemsize: int = 2) -> int:
         """Bytes of all routed experts' weights (gate, up, down) of this layer."""
@@ -104,11 +131,15 @@ FFNSpec = Union[DraftDenseFFNSpec, DraftMoeFFNSpec]
 
 
 class DraftMixFFNSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One FFN spec per decoder layer, read from an HF / SpecForge config.json."""
+    """One FFN spec per decoder layer, read from an HF / SpecForge config.json.
+
+    `quantization`: how the checkpoint stores its weights (`quantization_config`); None = unquantized.
+    """
 
     family: str
     hidden_size: Annotated[int, msgspec.Meta(ge=1)]
     layers: tuple[FFNSpec, ...]
+    quantization: QuantSpec | None = None
 
     @classmethod
     def from_config(cls, config: dict) -> "DraftMixFFNSpec":

@@ -1,7 +1,7 @@
 """HF / SpecForge config.json -> `DraftMixFFNSpec`: one FFN spec per decoder layer.
 
-Every value is type-checked and cross-checked here, once: what the runtime cannot run (quantized
-experts, impossible groupings, a hash-routed layer that is not MoE) is refused with a `ConfigError` naming the key and
+Every value is type-checked and cross-checked here, once: what the runtime cannot run (unknown
+weight quantizations, impossible groupings, a hash-routed layer that is not MoE) is refused with a `ConfigError` naming the key and
 its value, so nothing downstream meets a bad spec in the middle of a collective. What each family
 reads and hardcodes is the table in `epdraft.config.hf_families`.
 """
@@ -22,6 +22,7 @@ from epdraft.config.ffn import (
     RouterBias,
     RouterSpec,
 )
+from epdraft.config.quant import QuantSpec, parse_quantization_config
 from epdraft.config.hf_families import BY_ARCHITECTURE, BY_MODEL_TYPE, SPECFORGE, SPECFORGE_PRESETS, Family
 from epdraft.errors import ConfigError
 
@@ -97,17 +98,17 @@ def parse_ffn_config(config: dict) -> DraftMixFFNSpec:
     if not isinstance(config, dict):
         raise ConfigError(f"config: expected a dict, got {type(config).__name__}")
     view = _View(config)
-    _refuse_quantized(view)
+    quantization = _quantization(view)
     if isinstance(config.get("text_config"), dict) and not view.has("hidden_size"):
         view = _View(config["text_config"], "text_config.")  # Qwen3.5-MoE nests its LM under text_config
-        _refuse_quantized(view)
+        quantization = quantization or _quantization(view)
     hidden_size = view.get("hidden_size", PosInt)
     num_layers = view.get("num_hidden_layers", PosInt)
     count = view.first(_EXPERT_COUNT_KEYS, NonNegInt)
     if count is None or count[1] == 0:
         dense = _dense_spec(view)
         return DraftMixFFNSpec(family=str(config.get("model_type", "dense")), hidden_size=hidden_size,
-                               layers=(dense,) * num_layers)
+                               layers=(dense,) * num_layers, quantization=quantization)
     family = _detect_family(config)
     moe = _moe_spec(view, family, count)
     kinds = _moe_schedule(view, family, num_layers)
@@ -116,22 +117,31 @@ def parse_ffn_config(config: dict) -> DraftMixFFNSpec:
         by_kind["dense"] = _dense_spec(view)
     if "hash_moe" in kinds:
         by_kind["hash_moe"] = _hash_spec(view, moe)
-    layers: tuple[FFNSpec, ...] = tuple(by_kind[k] for k in kinds)
+    layers: tuple[FFNSpec, ...] = tuple(
+        by_kind[k] if k == "dense" else _quantized_experts(by_kind[k], quantization, i) for i, k in enumerate(kinds)
+    )
     name = family.name
     if family is SPECFORGE and view.has("moe_preset"):
         name = f"specforge/{view.get('moe_preset', str)}"
-    return DraftMixFFNSpec(family=name, hidden_size=hidden_size, layers=layers)
+    return DraftMixFFNSpec(family=name, hidden_size=hidden_size, layers=layers, quantization=quantization)
 
 
-def _refuse_quantized(view: _View) -> None:
-    if view.has("quantization_config"):
-        method = view.data["quantization_config"]
-        method = method.get("quant_method", method) if isinstance(method, dict) else method
-        raise ConfigError(f"{view.path('quantization_config')}: quant_method = {method!r}: quantized "
-                          "(fp8 / mxfp4) weights are not supported; give a bf16 or fp32 checkpoint")
+def _quantization(view: _View) -> QuantSpec | None:
+    """The weights' quantization (`quantization_config`), None if unquantized; a top-level
+    `expert_dtype` other than bf16/fp32 (a SpecForge training key) has no stored format to read."""
     if view.has("expert_dtype") and view.data["expert_dtype"] not in ("bf16", "bfloat16", "fp32", "float32"):
         raise ConfigError(f"{view.path('expert_dtype')} = {view.data['expert_dtype']!r}: quantized expert "
-                          "weights are not supported; give a bf16 or fp32 checkpoint")
+                          "weights need a quantization_config (mxfp4 or block-scaled fp8)")
+    if not view.has("quantization_config"):
+        return None
+    return parse_quantization_config(view.data["quantization_config"], view.path("quantization_config"))
+
+
+def _quantized_experts(moe: DraftMoeFFNSpec, quantization: QuantSpec | None, layer: int) -> DraftMoeFFNSpec:
+    """The layer's spec with the storage of its routed experts (`model.layers.N.mlp.experts`)."""
+    if quantization is None or not quantization.converts(f"model.layers.{layer}.mlp.experts"):
+        return moe
+    return msgspec.structs.replace(moe, quantization=quantization)
 
 
 def _detect_family(config: dict) -> Family:

@@ -137,10 +137,34 @@ def _k_slice(pid_k, K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
     return k_tiles, pid_k * k_tiles * BLOCK_K + tl.arange(0, BLOCK_K)
 
 
+@triton.jit
+def _dot_quantized(a, acc, w_ptr, s_ptr, expert, rows, k0, stride_we, stride_wn, stride_se, stride_sn,
+                   W_FMT: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + a @ W[rows, k0 : k0 + BLOCK_K]^T for quantized weight rows `rows` (int64) of `expert`.
+
+    FP8: the e4m3 tile (exact in bf16) times a, then the product times the block's fp32 scale per
+    column; MXFP4: `tl.dot_scaled` (e2m1 upcast with its e8m0 scales, exact in bf16).
+    """
+    if W_FMT == 1:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + expert * stride_we + rows[None, :] * stride_wn + offs_k[:, None])
+        scale = tl.load(s_ptr + expert * stride_se + (rows // QBN) * stride_sn + k0 // QBK)
+        # e4m3 -> bf16 is exact; the block's scale multiplies this K tile's partial product (a BLOCK_K
+        # tile never crosses a scale block), BLOCK_M x BLOCK_N multiplies instead of BLOCK_K x BLOCK_N
+        return acc + tl.dot(a, w.to(a.dtype)) * scale[None, :]
+    else:
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        w = tl.load(w_ptr + expert * stride_we + rows[None, :] * stride_wn + offs_b[:, None])
+        offs_s = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        scale = tl.load(s_ptr + expert * stride_se + rows[:, None] * stride_sn + offs_s[None, :])
+        return tl.dot_scaled(a, None, "bf16", w, scale, "e2m1", acc)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks", "group_m"])
 def gemm1_act_kernel(
     x_ptr,
     w_ptr,
+    s_ptr,
     b_ptr,
     h_ptr,
     part_ptr,
@@ -157,6 +181,8 @@ def gemm1_act_kernel(
     stride_xh,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_be,
     stride_hm,
     stride_ps,
@@ -171,8 +197,16 @@ def gemm1_act_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    W_FMT: tl.constexpr = 0,
+    QBN: tl.constexpr = 1,
+    QBK: tl.constexpr = 1,
 ):
     """h[rows, n] = act(x W_gate^T + b_gate, x W_up^T + b_up) for one block of sorted rows.
+
+    W_FMT: 0 = weights in x's dtype; 1 = FP8 e4m3 with fp32 scales per (QBN x QBK) block in `s_ptr`
+    (`[e, ceil(2F/QBN), ceil(H/QBK)]`, QBK a multiple of BLOCK_K); 2 = MXFP4, `w_ptr` the packed
+    bytes `[e, 2F, H/2]` and `s_ptr` the e8m0 scales `[e, 2F, H/32]`. Quantized tiles are
+    converted to bf16 right after their load and scaled (`_dot_quantized`); K must be even.
 
     With SPLIT_K > 1 each program sums one slice of H into fp32 partials (`part_ptr`, gate then up
     columns); the tile's last program to arrive (counted in `arrived_ptr`, left zeroed) adds the
@@ -187,25 +221,37 @@ def gemm1_act_kernel(
     offs_n, offs_n_w = _cols(pid_n, F, BLOCK_N)
     k_tiles, offs_k = _k_slice(pid_k, H, SPLIT_K, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh
-    g_ptrs = w_ptr + expert * stride_we + offs_n_w[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    u_ptrs = g_ptrs + F * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, k_tiles):
-        if EVEN_K:
+    if W_FMT == 0:
+        g_ptrs = w_ptr + expert * stride_we + offs_n_w[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        u_ptrs = g_ptrs + F * stride_wn
+        for k in range(0, k_tiles):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                g = tl.load(g_ptrs)
+                u = tl.load(u_ptrs)
+            else:
+                k_left = H - k * BLOCK_K  # offs_k already counts this split's start
+                a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                g = tl.load(g_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+                u = tl.load(u_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+            a_ptrs += BLOCK_K * stride_xh
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+    else:
+        tl.static_assert(EVEN_K, "quantized weights need H % (BLOCK_K * SPLIT_K) == 0")
+        w_rows = offs_n_w.to(tl.int64)
+        k_first = pid_k * k_tiles * BLOCK_K
+        for k in range(0, k_tiles):
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            g = tl.load(g_ptrs)
-            u = tl.load(u_ptrs)
-        else:
-            k_left = H - k * BLOCK_K  # offs_k already counts this split's start
-            a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            g = tl.load(g_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            u = tl.load(u_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
-        a_ptrs += BLOCK_K * stride_xh
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+            acc_g = _dot_quantized(a, acc_g, w_ptr, s_ptr, expert, w_rows, k_first + k * BLOCK_K, stride_we,
+                                   stride_wn, stride_se, stride_sn, W_FMT, QBN, QBK, BLOCK_K)
+            acc_u = _dot_quantized(a, acc_u, w_ptr, s_ptr, expert, w_rows + F, k_first + k * BLOCK_K, stride_we,
+                                   stride_wn, stride_se, stride_sn, W_FMT, QBN, QBK, BLOCK_K)
+            a_ptrs += BLOCK_K * stride_xh
     store_n = offs_n[None, :] < F
     if SPLIT_K > 1:
         part_ptrs = part_ptr + rows[:, None].to(tl.int64) * (2 * F) + offs_n[None, :]
@@ -239,6 +285,7 @@ def gemm1_act_kernel(
 def gemm2_weight_kernel(
     h_ptr,
     w_ptr,
+    s_ptr,
     b_ptr,
     out_ptr,
     sorted_ptr,
@@ -253,6 +300,8 @@ def gemm2_weight_kernel(
     stride_hm,
     stride_we,
     stride_wh,
+    stride_se,
+    stride_sh,
     stride_be,
     stride_os,
     stride_om,
@@ -262,11 +311,15 @@ def gemm2_weight_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    W_FMT: tl.constexpr = 0,
+    QBN: tl.constexpr = 1,
+    QBK: tl.constexpr = 1,
 ):
     """out[split, pair, n] = w_pair * (h W_down^T (+ b_down in split 0)) over this split's slice of F.
 
     Split-K gives short down GEMMs (few rows, K = F) enough programs to cover the SMs; the
     partial sums are added in a fixed order by `topk_sum_kernel`, so the result is deterministic.
+    W_FMT, QBN, QBK: as in `gemm1_act_kernel`, for W_down `[e, H, F]`.
     """
     pid_m, pid_n, pid_k = _tile(tl.program_id(0), num_blocks, tl.cdiv(H, BLOCK_N), group_m, SPLIT_K)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -275,19 +328,29 @@ def gemm2_weight_kernel(
     offs_n, offs_n_w = _cols(pid_n, H, BLOCK_N)
     k_tiles, offs_k = _k_slice(pid_k, F, SPLIT_K, BLOCK_K)
     a_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + offs_n_w[None, :].to(tl.int64) * stride_wh + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, k_tiles):
-        if EVEN_K:
+    if W_FMT == 0:
+        w_ptrs = w_ptr + expert * stride_we + offs_n_w[None, :].to(tl.int64) * stride_wh + offs_k[:, None]
+        for k in range(0, k_tiles):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                w = tl.load(w_ptrs)
+            else:
+                k_left = F - k * BLOCK_K  # offs_k already counts this split's start
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            acc = tl.dot(a, w, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    else:
+        tl.static_assert(EVEN_K, "quantized weights need F % (BLOCK_K * SPLIT_K) == 0")
+        w_rows = offs_n_w.to(tl.int64)
+        k_first = pid_k * k_tiles * BLOCK_K
+        for k in range(0, k_tiles):
             a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_left = F - k * BLOCK_K  # offs_k already counts this split's start
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+            acc = _dot_quantized(a, acc, w_ptr, s_ptr, expert, w_rows, k_first + k * BLOCK_K, stride_we, stride_wh,
+                                 stride_se, stride_sh, W_FMT, QBN, QBK, BLOCK_K)
+            a_ptrs += BLOCK_K
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(b_ptr + expert * stride_be + offs_n_w).to(tl.float32)[None, :]

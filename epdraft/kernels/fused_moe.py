@@ -9,6 +9,8 @@ synchronization (CUDA-graph safe):
     topk_sum_kernel    y[t] = sum over the token's pairs (and splits) in fp32, in a fixed order
 With one choice per row (K = 1, e.g. rows an all-to-all dispatcher delivered) and no split, the
 down GEMM writes y's rows directly and the sum launch is skipped; rows with id -1 stay zero.
+The weights may be bf16/fp16, FP8 e4m3 with block scales or MXFP4 (`ExpertWeights`): the GEMMs
+dequantize each tile right after its load; activations stay bf16 and accumulation fp32.
 """
 
 from __future__ import annotations
@@ -18,34 +20,45 @@ import torch
 from epdraft.config.ffn import ActivationSpec
 from epdraft.errors import ConfigError
 from epdraft.kernels.align import AlignedPairs, align_pairs
-from epdraft.kernels.tuning import DownConfig, MoeKernelConfig, UpConfig, dtype_name, get_config
+from epdraft.kernels.tuning import DownConfig, MoeKernelConfig, UpConfig, dtype_name, fit_format, get_config
+from epdraft.kernels.weights import ExpertWeights, as_weights
 
 _TOPK_SUM_BLOCK_H = 1024
 
 
 def _check_inputs(x_TH, ids_TK, weights_TK, w13_eNH, w2_eHF, b13_eN, b2_eH) -> None:
     """Raise ConfigError naming the tensor whose shape, dtype, device or layout the kernels cannot take."""
+    if w13_eNH.dim() != 3 or w2_eHF.dim() != 3:
+        raise ConfigError(
+            f"fused_experts: w13_eNH {tuple(w13_eNH.shape)} and w2_eHF {tuple(w2_eHF.shape)} must be 3-d"
+        )
+    _check_shapes(x_TH, ids_TK, weights_TK, tuple(w13_eNH.shape), tuple(w2_eHF.shape), b13_eN, b2_eH)
+    for name, t in (("w13_eNH", w13_eNH), ("w2_eHF", w2_eHF)):
+        if t.device != x_TH.device:
+            raise ConfigError(f"fused_experts: {name} is on {t.device}, x_TH on {x_TH.device}")
+        if t.dtype != x_TH.dtype:
+            raise ConfigError(f"fused_experts: {name} is {t.dtype}, x_TH is {x_TH.dtype}; they must match")
+        if not t.is_contiguous():
+            raise ConfigError(f"fused_experts: {name} must be contiguous (strides {t.stride()})")
+
+
+def _check_shapes(x_TH, ids_TK, weights_TK, w13_shape, w2_shape, b13_eN, b2_eH) -> None:
+    """The checks every weight format shares: x, routing, the (dequantized) weight shapes, biases."""
     dtype_name(x_TH.dtype)
     if not x_TH.is_cuda:
         raise ConfigError(f"fused_experts: x_TH is on {x_TH.device}, expected a CUDA device")
     if x_TH.dim() != 2:
         raise ConfigError(f"fused_experts: x_TH has shape {tuple(x_TH.shape)}, expected [T, H]")
     T, H = x_TH.shape
-    if w13_eNH.dim() != 3 or w2_eHF.dim() != 3:
-        raise ConfigError(
-            f"fused_experts: w13_eNH {tuple(w13_eNH.shape)} and w2_eHF {tuple(w2_eHF.shape)} must be 3-d"
-        )
-    e, N, _ = w13_eNH.shape
+    e, N, _ = w13_shape
     F_ = N // 2
     if ids_TK.dim() != 2 or ids_TK.shape[0] != T:
         raise ConfigError(f"fused_experts: ids_TK has shape {tuple(ids_TK.shape)}, expected [{T}, K]")
-    expected = {
-        "weights_TK": (weights_TK, tuple(ids_TK.shape)),
-        "w13_eNH": (w13_eNH, (e, 2 * F_, H)),
-        "w2_eHF": (w2_eHF, (e, H, F_)),
-        "b13_eN": (b13_eN, (e, N)),
-        "b2_eH": (b2_eH, (e, H)),
-    }
+    if w13_shape != (e, 2 * F_, H):
+        raise ConfigError(f"fused_experts: w13_eNH has shape {w13_shape}, expected {(e, 2 * F_, H)}")
+    if w2_shape != (e, H, F_):
+        raise ConfigError(f"fused_experts: w2_eHF has shape {w2_shape}, expected {(e, H, F_)}")
+    expected = {"weights_TK": (weights_TK, tuple(ids_TK.shape)), "b13_eN": (b13_eN, (e, N)), "b2_eH": (b2_eH, (e, H))}
     for name, (t, shape) in expected.items():
         if t is None:
             continue
@@ -57,11 +70,6 @@ def _check_inputs(x_TH, ids_TK, weights_TK, w13_eNH, w2_eHF, b13_eN, b2_eH) -> N
         raise ConfigError(f"fused_experts: ids_TK must be an integer tensor, got {ids_TK.dtype}")
     if not weights_TK.dtype.is_floating_point:
         raise ConfigError(f"fused_experts: weights_TK must be floating point, got {weights_TK.dtype}")
-    for name, t in (("w13_eNH", w13_eNH), ("w2_eHF", w2_eHF)):
-        if t.dtype != x_TH.dtype:
-            raise ConfigError(f"fused_experts: {name} is {t.dtype}, x_TH is {x_TH.dtype}; they must match")
-        if not t.is_contiguous():
-            raise ConfigError(f"fused_experts: {name} must be contiguous (strides {t.stride()})")
 
 
 def fused_experts(
@@ -92,12 +100,51 @@ def fused_experts(
     return fused_experts_with_config(x_TH, ids_TK, weights_TK, w13_eNH, w2_eHF, act, b13_eN, b2_eH, config)
 
 
+def fused_experts_quantized(
+    x_TH: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    w13: ExpertWeights,
+    w2: ExpertWeights,
+    act: ActivationSpec,
+    b13_eN: torch.Tensor | None = None,
+    b2_eH: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`fused_experts` on quantized weights (`ExpertWeights`, both GEMMs in one format): the same
+    result as `experts_reference` on `w13.dequantized(bf16)` and `w2.dequantized(bf16)`, within bf16 drift.
+
+    x_TH is bf16; H and F must be multiples of 64 (the kernels run whole K tiles of 64 or more) and
+    FP8 scale blocks must have a multiple of 64 columns. The tuned table is the format's own
+    (`weights=fp8|mxfp4` in its file name), else the shape's bf16 table cut by `fit_format`.
+
+    Raises:
+        ConfigError: a tensor with the wrong shape, dtype, device or layout, or a format the kernels cannot take.
+    """
+    if x_TH.dtype != torch.bfloat16:
+        raise ConfigError(f"fused_experts_quantized: x_TH is {x_TH.dtype}, quantized weights need bf16 activations")
+    if w13.format != w2.format or w13.format == "bf16":
+        raise ConfigError(
+            f"fused_experts_quantized: w13 is {w13.format}, w2 {w2.format}; expected one quantized format"
+        )
+    e, N, H = w13.shape
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.values.device != x_TH.device:
+            raise ConfigError(f"fused_experts_quantized: {name} is on {w.values.device}, x_TH on {x_TH.device}")
+        if w.format == "fp8" and w.block[1] % 64:
+            raise ConfigError(f"fused_experts_quantized: {name} fp8 block {w.block}: columns must be a multiple of 64")
+    _check_shapes(x_TH, ids_TK, weights_TK, w13.shape, w2.shape, b13_eN, b2_eH)
+    T, K = ids_TK.shape
+    config = get_config(e, N, H, x_TH.dtype, T, K, torch.cuda.get_device_name(x_TH.device), weights=w13.format)
+    config = fit_format(config, w13.format, w13.block[1], H, N // 2)
+    return fused_experts_with_config(x_TH, ids_TK, weights_TK, w13, w2, act, b13_eN, b2_eH, config)
+
+
 def fused_experts_with_config(
     x_TH: torch.Tensor,
     ids_TK: torch.Tensor,
     weights_TK: torch.Tensor,
-    w13_eNH: torch.Tensor,
-    w2_eHF: torch.Tensor,
+    w13_eNH: torch.Tensor | ExpertWeights,
+    w2_eHF: torch.Tensor | ExpertWeights,
     act: ActivationSpec,
     b13_eN: torch.Tensor | None,
     b2_eH: torch.Tensor | None,
@@ -108,7 +155,7 @@ def fused_experts_with_config(
     if T == 0:
         return x_TH.new_zeros(0, H)
     ids_TK = ids_TK.contiguous()
-    aligned = align_pairs(ids_TK.view(-1), w13_eNH.shape[0], config.block_m)
+    aligned = align_pairs(ids_TK.view(-1), as_weights(w13_eNH).shape[0], config.block_m)
     h_MF = up_act(x_TH, aligned, w13_eNH, b13_eN, act, config.up)
     return down_combine(h_MF, aligned, ids_TK, weights_TK.contiguous(), w2_eHF, b2_eH, config.down)
 
@@ -116,7 +163,7 @@ def fused_experts_with_config(
 def up_act(
     x_TH: torch.Tensor,
     aligned: AlignedPairs,
-    w13_eNH: torch.Tensor,
+    w13_eNH: torch.Tensor | ExpertWeights,
     b13_eN: torch.Tensor | None,
     act: ActivationSpec,
     up: UpConfig,
@@ -125,7 +172,10 @@ def up_act(
     from epdraft.kernels._triton import ACT_SWIGLU, ACT_SWIGLUOAI, gemm1_act_kernel
 
     T, H = x_TH.shape
-    e, N, _ = w13_eNH.shape
+    w13 = as_weights(w13_eNH)
+    e, N, _ = w13.shape
+    values = w13.values
+    scales = w13.scales if w13.scales is not None else values
     F_ = N // 2
     max_rows = aligned.sorted_pairs_M.shape[0]
     h_MF = torch.empty(max_rows, F_, dtype=x_TH.dtype, device=x_TH.device)
@@ -138,8 +188,9 @@ def up_act(
     grid = (aligned.max_blocks * n_tiles * up.split_k,)
     gemm1_act_kernel[grid](
         x_TH,
-        w13_eNH,
-        b13_eN if b13_eN is not None else w13_eNH,
+        values,
+        scales,
+        b13_eN if b13_eN is not None else values,
         h_MF,
         partials,
         arrived,
@@ -153,8 +204,10 @@ def up_act(
         H,
         x_TH.stride(0),
         x_TH.stride(1),
-        w13_eNH.stride(0),
-        w13_eNH.stride(1),
+        values.stride(0),
+        values.stride(1),
+        scales.stride(0),
+        scales.stride(1),
         b13_eN.stride(0) if b13_eN is not None else 0,
         h_MF.stride(0),
         partials.stride(0) if up.split_k > 1 else 0,
@@ -169,6 +222,9 @@ def up_act(
         BLOCK_M=aligned.block_m,
         BLOCK_N=up.block_n,
         BLOCK_K=up.block_k,
+        W_FMT=w13.code,
+        QBN=w13.block[0] if w13.format == "fp8" else 1,  # only fp8 reads them: one compiled kernel otherwise
+        QBK=w13.block[1] if w13.format == "fp8" else 1,
         num_warps=up.num_warps,
         num_stages=up.num_stages,
     )
@@ -180,7 +236,7 @@ def down_combine(
     aligned: AlignedPairs,
     ids_TK: torch.Tensor,
     weights_TK: torch.Tensor,
-    w2_eHF: torch.Tensor,
+    w2_eHF: torch.Tensor | ExpertWeights,
     b2_eH: torch.Tensor | None,
     down: DownConfig,
 ) -> torch.Tensor:
@@ -188,7 +244,10 @@ def down_combine(
     from epdraft.kernels._triton import gemm2_weight_kernel, topk_sum_kernel
 
     T, K = ids_TK.shape
-    e, H, F_ = w2_eHF.shape
+    w2 = as_weights(w2_eHF)
+    e, H, F_ = w2.shape
+    values = w2.values
+    scales = w2.scales if w2.scales is not None else values
     direct = K == 1 and down.split_k == 1
     if direct:
         # one pair per row: rows are written in place, a dropped (-1) row must read as zero
@@ -201,8 +260,9 @@ def down_combine(
     grid = (aligned.max_blocks * _cdiv(H, down.block_n) * down.split_k,)
     gemm2_weight_kernel[grid](
         h_MF,
-        w2_eHF,
-        b2_eH if b2_eH is not None else w2_eHF,
+        values,
+        scales,
+        b2_eH if b2_eH is not None else values,
         out,
         aligned.sorted_pairs_M,
         aligned.block_expert_B,
@@ -214,8 +274,10 @@ def down_combine(
         H,
         F_,
         h_MF.stride(0),
-        w2_eHF.stride(0),
-        w2_eHF.stride(1),
+        values.stride(0),
+        values.stride(1),
+        scales.stride(0),
+        scales.stride(1),
         b2_eH.stride(0) if b2_eH is not None else 0,
         out.stride(0),
         out.stride(1),
@@ -225,6 +287,9 @@ def down_combine(
         BLOCK_M=aligned.block_m,
         BLOCK_N=down.block_n,
         BLOCK_K=down.block_k,
+        W_FMT=w2.code,
+        QBN=w2.block[0] if w2.format == "fp8" else 1,  # only fp8 reads them: one compiled kernel otherwise
+        QBK=w2.block[1] if w2.format == "fp8" else 1,
         num_warps=down.num_warps,
         num_stages=down.num_stages,
     )

@@ -5,7 +5,9 @@ A table is one file per (E, N, K, dtype, device) in `epdraft/kernels/configs/`, 
 row count M = T * top_k (token-expert pairs: the rows the GEMMs see, so one table serves every
 top-k of the shape) to a `MoeKernelConfig`; a lookup takes the entry of the nearest M. Without a
 file the documented default runs and one warning names the missing file: the speed differs, the
-output does not. Tables are Triton-version specific; re-tune after upgrading Triton.
+output does not. Tables are Triton-version specific; re-tune after upgrading Triton. Quantized
+weights have tables of their own (`...,dtype=bf16,weights=mxfp4,device=...json`): they move other
+bytes per tile, so other tiles win.
 """
 
 from __future__ import annotations
@@ -67,10 +69,52 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES[dtype]
 
 
-def config_file_name(num_experts: int, n: int, k: int, dtype: torch.dtype, device_name: str) -> str:
-    """File name of the table for experts w13 [num_experts, n, k] in `dtype` on `device_name`."""
+def config_file_name(
+    num_experts: int, n: int, k: int, dtype: torch.dtype, device_name: str, weights: str = "bf16"
+) -> str:
+    """File name of the table for experts w13 [num_experts, n, k] in `dtype` (stored as `weights`) on `device_name`."""
     device = device_name.replace(" ", "_")
-    return f"E={num_experts},N={n},K={k},dtype={dtype_name(dtype)},device={device}.json"
+    stored = "" if weights == "bf16" else f",weights={weights}"
+    return f"E={num_experts},N={n},K={k},dtype={dtype_name(dtype)}{stored},device={device}.json"
+
+
+def fits_format(gemm: GemmConfig, weights: str, reduction: int, scale_cols: int = 128) -> bool:
+    """Whether the quantized kernels can run `gemm` over a reduction of `reduction` (H or F).
+
+    Quantized tiles need whole K tiles (no masking: K % (block_k * split_k) == 0); FP8 tiles must
+    not straddle a scale block (scale_cols % block_k == 0); MXFP4 dot_scaled tiles hold >= 2 groups.
+    """
+    if weights == "bf16":
+        return True
+    if reduction % (gemm.block_k * gemm.split_k):
+        return False
+    if weights == "fp8":
+        return scale_cols % gemm.block_k == 0
+    return gemm.block_k >= 64
+
+
+def fit_format(
+    config: MoeKernelConfig, weights: str, scale_cols: int, hidden: int, intermediate: int
+) -> MoeKernelConfig:
+    """`config`, with each GEMM's block_k (and split_k) cut down until the quantized kernels can run it
+    (FP8: block_k first, to fit a scale block; then split_k, then block_k, to divide the reduction).
+
+    Raises ConfigError when no block_k >= 64 divides the reduction (the formats' shapes always allow one).
+    """
+    def fit(gemm, reduction):
+        while not fits_format(gemm, weights, reduction, scale_cols):
+            if weights == "fp8" and scale_cols % gemm.block_k and gemm.block_k > 64:
+                gemm = msgspec.structs.replace(gemm, block_k=gemm.block_k // 2)
+            elif gemm.split_k > 1:
+                gemm = msgspec.structs.replace(gemm, split_k=gemm.split_k // 2)
+            elif gemm.block_k > 64:
+                gemm = msgspec.structs.replace(gemm, block_k=gemm.block_k // 2)
+            else:
+                raise ConfigError(f"{weights} experts: reduction {reduction} is not a multiple of 64 "
+                                  f"(scale block columns {scale_cols}); the quantized kernels need whole K tiles")
+        return gemm
+
+    return msgspec.structs.replace(config, up=fit(config.up, hidden), down=fit(config.down, intermediate))
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int) -> MoeKernelConfig:
@@ -124,9 +168,16 @@ def get_config(
     top_k: int,
     device_name: str,
     config_dir: Path = CONFIG_DIR,
+    weights: str = "bf16",
 ) -> MoeKernelConfig:
-    """Config of the nearest tuned row count M = T * top_k (ties: the smaller); the default without a table."""
-    table = load_table(config_dir / config_file_name(num_experts, n, k, dtype, device_name))
+    """Config of the nearest tuned row count M = T * top_k (ties: the smaller); the default without a table.
+
+    Quantized `weights` without a table of their own take the shape's bf16 table (its tiles suit the
+    shape; `fit_format` then makes them runnable), else the default.
+    """
+    table = load_table(config_dir / config_file_name(num_experts, n, k, dtype, device_name, weights))
+    if table is None and weights != "bf16":
+        table = load_table(config_dir / config_file_name(num_experts, n, k, dtype, device_name))
     if table is None:
         return default_config(num_tokens, top_k, num_experts)
     rows = num_tokens * top_k
@@ -277,8 +328,31 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, device: torch.
     return ids_TK, weights_TK
 
 
+def quantize_weights(w: torch.Tensor, weights: str):
+    """`w` [e, N, K] as `ExpertWeights` in format `weights` (fp8: 128 x 128 blocks), by epdraft's quantizers."""
+    from epdraft.kernels.weights import ExpertWeights
+    from epdraft.loading.quant import quantize_fp8, quantize_mxfp4
+
+    if weights == "bf16":
+        return ExpertWeights(w)
+    # one expert at a time: the quantizers' fp32 temporaries of a whole C/D weight would not fit
+    if weights == "fp8":
+        parts = [quantize_fp8(w[i], (128, 128)) for i in range(w.shape[0])]
+        return ExpertWeights(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]), "fp8", (128, 128))
+    parts = [quantize_mxfp4(w[i]) for i in range(w.shape[0])]
+    blocks = torch.stack([p[0] for p in parts])
+    e, N, G, _ = blocks.shape
+    return ExpertWeights(blocks.reshape(e, N, G * 16), torch.stack([p[1] for p in parts]), "mxfp4")
+
+
 def tune(
-    num_experts: int, intermediate: int, hidden: int, top_k: int, dtype: torch.dtype, tokens: list[int]
+    num_experts: int,
+    intermediate: int,
+    hidden: int,
+    top_k: int,
+    dtype: torch.dtype,
+    tokens: list[int],
+    weights: str = "bf16",
 ) -> dict[int, MoeKernelConfig]:
     """Search block rows, then the up and down GEMMs apart (they do not interact), per token count.
 
@@ -286,7 +360,9 @@ def tune(
     warps, stages and split-K are compiled in parallel, then timed on random routing on the current
     CUDA device; the best tiles then try the other program orders. Times are CUDA-graph replays
     (`graph_us`), as the forward runs in a server, so launch gaps and split-K's counter reset count
-    as they will there. The fastest up + down pair over block sizes wins.
+    as they will there. The fastest up + down pair over block sizes wins. `weights` fp8 | mxfp4
+    tunes the quantized kernels on random weights quantized by `epdraft.loading.quant`
+    (fp8 with 128 x 128 blocks), among the candidates they can run.
     """
     from epdraft.config.ffn import ActivationSpec
     from epdraft.kernels.align import align_pairs
@@ -296,24 +372,23 @@ def tune(
     gen = torch.Generator(device=device).manual_seed(0)
     w13 = (torch.randn(num_experts, 2 * intermediate, hidden, device=device, generator=gen) * hidden**-0.5).to(dtype)
     w2 = (torch.randn(num_experts, hidden, intermediate, device=device, generator=gen) * intermediate**-0.5).to(dtype)
+    w13, w2 = quantize_weights(w13, weights), quantize_weights(w2, weights)
     act = ActivationSpec()
 
     table: dict[int, MoeKernelConfig] = {}
     for num_tokens in tokens:
         rows = num_tokens * top_k
         x = torch.randn(num_tokens, hidden, device=device, generator=gen).to(dtype)
-        ids, weights = random_routing(num_tokens, num_experts, top_k, device, gen)
+        ids, topk_w = random_routing(num_tokens, num_experts, top_k, device, gen)
         best_us = float("inf")
         for block_m in block_m_candidates(num_tokens, top_k, num_experts):
             aligned = align_pairs(ids.view(-1), num_experts, block_m)
-            up, up_time = _search(
-                lambda c: up_act(x, aligned, w13, None, act, c), up_candidates(block_m, rows, num_experts, hidden)
-            )
+            ups = [c for c in up_candidates(block_m, rows, num_experts, hidden) if fits_format(c, weights, hidden)]
+            up, up_time = _search(lambda c: up_act(x, aligned, w13, None, act, c), ups)
             h = up_act(x, aligned, w13, None, act, up)
-            down, down_time = _search(
-                lambda c: down_combine(h, aligned, ids, weights, w2, None, c),
-                down_candidates(block_m, rows, num_experts, intermediate),
-            )
+            downs = [c for c in down_candidates(block_m, rows, num_experts, intermediate)
+                     if fits_format(c, weights, intermediate)]
+            down, down_time = _search(lambda c: down_combine(h, aligned, ids, topk_w, w2, None, c), downs)
             log.info("T=%d block_m=%d: up %.1f us %s, down %.1f us %s", num_tokens, block_m, up_time, up, down_time, down)
             if up_time + down_time < best_us:
                 best_us = up_time + down_time

@@ -10,7 +10,7 @@ from torch import nn
 from epdraft.config.ffn import DraftMoeFFNSpec
 from epdraft.dispatch import Dispatcher, MoeLayout, ReplicatedDispatcher, StepPlan
 from epdraft.layers.mlp import DraftMLP
-from epdraft.layers.routed_experts import RoutedExperts
+from epdraft.layers.routed_experts import RoutedExperts, experts_storage
 from epdraft.layers.router import Router
 from epdraft.loading import ExpertShard, TensorSource, check_ffn_loaded, load_into
 
@@ -53,7 +53,15 @@ class DraftMoE(nn.Module):
             layer_id=layer_id,
         )
         self.router = Router(spec.router, hidden_size, device=device)
-        self.experts = RoutedExperts(shard, spec.activation, bias=spec.expert_bias, dtype=dtype, device=device)
+        # quantized experts stay quantized only where the fused kernels run them (CUDA, bf16, whole experts)
+        reason = spec.quantized_kernel_reason(
+            hidden_size,
+            tp_size=layout.tp_size,
+            device_type=torch.device(device if device is not None else "cpu").type,
+            dtype=str(dtype or torch.get_default_dtype()).removeprefix("torch."),
+        )
+        self.experts = RoutedExperts(shard, spec.activation, bias=spec.expert_bias, dtype=dtype, device=device,
+                                     quantization=experts_storage(spec.quantization, reason, dtype))
         self.shared: DraftMLP | None = None
         if spec.shared_intermediate_size > 0:
             self.shared = DraftMLP(

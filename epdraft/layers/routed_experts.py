@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 from torch import nn
 
 from epdraft.config.ffn import ActivationSpec
+from epdraft.config.quant import QuantSpec
 from epdraft.kernels import fused_experts
+from epdraft.kernels.weights import ExpertWeights
 from epdraft.layers.experts import experts_reference
 from epdraft.loading import ExpertShard
 
+log = logging.getLogger(__name__)
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -25,12 +31,18 @@ def reference_fallback_reason(device: torch.device | str, dtype: torch.dtype) ->
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    """One line per distinct message and process: the storage of the experts is a load-time fact."""
+    log.info(message)
+
+
 def run_experts(
     rows_RH: torch.Tensor,
     ids_RK: torch.Tensor,
     weights_RK: torch.Tensor,
-    w13_eNH: torch.Tensor,
-    w2_eHF: torch.Tensor,
+    w13_eNH: torch.Tensor | ExpertWeights,
+    w2_eHF: torch.Tensor | ExpertWeights,
     act: ActivationSpec,
     b13_eN: torch.Tensor | None = None,
     b2_eH: torch.Tensor | None = None,
@@ -39,7 +51,8 @@ def run_experts(
 
     bf16/fp16 CUDA tensors go through the fused Triton kernels (`epdraft.kernels`); fp32 (any
     device) and CPU tensors through the reference loop; the two are held against each other by
-    tests/gpu/test_fused_moe.py.
+    tests/gpu/test_fused_moe.py. Quantized weights (`ExpertWeights`) go through the quantized
+    kernels on CUDA with bf16 rows, else through the reference on their dequantization.
 
     Args:
         rows_RH: [R, H] dispatched rows; R may be 0.
@@ -49,6 +62,12 @@ def run_experts(
     Returns:
         [R, H] in rows' dtype.
     """
+    if isinstance(w13_eNH, ExpertWeights):
+        if rows_RH.is_cuda and rows_RH.dtype == torch.bfloat16:
+            from epdraft.kernels.fused_moe import fused_experts_quantized
+
+            return fused_experts_quantized(rows_RH, ids_RK, weights_RK, w13_eNH, w2_eHF, act, b13_eN, b2_eH)
+        w13_eNH, w2_eHF = w13_eNH.dequantized(rows_RH.dtype), w2_eHF.dequantized(rows_RH.dtype)
     impl = fused_experts if rows_RH.is_cuda and rows_RH.dtype in _FUSED_DTYPES else experts_reference
     return impl(rows_RH, ids_RK, weights_RK, w13_eNH, w2_eHF, act, b13_eN, b2_eH)
 
@@ -59,6 +78,12 @@ class RoutedExperts(nn.Module):
     Parameters: `w13 [e, 2F, H]` (gate rows, then up rows), `w2 [e, H, F]`, and with expert biases
     `b13 [e, 2F]`, `b2 [e, H]`. Under moe_tp, `b2` is zero on tp_rank != 0 so that summing the TP
     ranks' partial outputs adds it once.
+
+    With `quantization` (the checkpoint stores the experts quantized and the fused kernels can run
+    them: `DraftMoeFFNSpec.quantized_kernel_reason`), w13 / w2 hold the stored values and
+    `w13_scale` / `w2_scale` their scales, in `epdraft.kernels.weights` layout (mxfp4: uint8
+    `[e, 2F, H/2]` + e8m0 `[e, 2F, H/32]`; fp8: e4m3 `[e, 2F, H]` + fp32 `[e, 2F/128, H/128]`);
+    never cast such a module's dtype.
     """
 
     def __init__(
@@ -69,25 +94,73 @@ class RoutedExperts(nn.Module):
         bias: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        quantization: QuantSpec | None = None,
     ) -> None:
         super().__init__()
         self.shard = shard
         self.activation = activation
+        self.quantization = quantization
         e, F_, H = shard.count, shard.slice_size, shard.hidden_size
         kw = {"dtype": dtype, "device": device}
-        self.w13 = nn.Parameter(torch.empty(e, 2 * F_, H, **kw), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, H, F_, **kw), requires_grad=False)
+        self.w13_scale: nn.Parameter | None = None
+        self.w2_scale: nn.Parameter | None = None
+        if quantization is None:
+            self.w13 = nn.Parameter(torch.empty(e, 2 * F_, H, **kw), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(e, H, F_, **kw), requires_grad=False)
+        else:
+            self._init_quantized(quantization, e, F_, H, device)
         self.b13: nn.Parameter | None = None
         self.b2: nn.Parameter | None = None
         if bias:
             self.b13 = nn.Parameter(torch.zeros(e, 2 * F_, **kw), requires_grad=False)
             self.b2 = nn.Parameter(torch.zeros(e, H, **kw), requires_grad=False)
 
+    def _init_quantized(self, q: QuantSpec, e: int, F_: int, H: int, device) -> None:
+        def param(*shape, dtype):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        if q.method == "mxfp4":
+            self.w13, self.w13_scale = param(e, 2 * F_, H // 2, dtype=torch.uint8), param(e, 2 * F_, H // 32,
+                                                                                          dtype=torch.uint8)
+            self.w2, self.w2_scale = param(e, H, F_ // 2, dtype=torch.uint8), param(e, H, F_ // 32, dtype=torch.uint8)
+        else:
+            bn, bk = q.block
+            self.w13 = param(e, 2 * F_, H, dtype=torch.float8_e4m3fn)
+            self.w13_scale = param(e, 2 * F_ // bn, -(-H // bk), dtype=torch.float32)
+            self.w2 = param(e, H, F_, dtype=torch.float8_e4m3fn)
+            self.w2_scale = param(e, -(-H // bn), -(-F_ // bk), dtype=torch.float32)
+
+    def weights(self) -> tuple[torch.Tensor | ExpertWeights, torch.Tensor | ExpertWeights]:
+        """(w13, w2) as the kernels take them: plain tensors, or `ExpertWeights` when held quantized."""
+        q = self.quantization
+        if q is None:
+            return self.w13, self.w2
+        return (ExpertWeights(self.w13.data, self.w13_scale.data, q.method, q.block),
+                ExpertWeights(self.w2.data, self.w2_scale.data, q.method, q.block))
+
     def forward(self, rows_RH: torch.Tensor, ids_RK: torch.Tensor, weights_RK: torch.Tensor) -> torch.Tensor:
         """rows_RH [R, H], ids_RK [R, K] local ids (-1 = skip), weights_RK [R, K] fp32 -> [R, H]."""
-        return run_experts(rows_RH, ids_RK, weights_RK, self.w13, self.w2, self.activation, self.b13, self.b2)
+        w13, w2 = self.weights()
+        return run_experts(rows_RH, ids_RK, weights_RK, w13, w2, self.activation, self.b13, self.b2)
 
     def extra_repr(self) -> str:
         s = self.shard
         experts = f"experts [{s.first}, {s.first + s.count}) of {s.num_experts}"
-        return f"{experts}, F={s.slice_size} of I={s.intermediate_size}"
+        stored = f", {self.quantization.method}" if self.quantization is not None else ""
+        return f"{experts}, F={s.slice_size} of I={s.intermediate_size}{stored}"
+
+
+def experts_storage(quantization: QuantSpec | None, reason: str | None, dtype: torch.dtype | None) -> QuantSpec | None:
+    """The quantization RoutedExperts keep (None: plain weights), logging the choice once per process.
+
+    `reason` is `DraftMoeFFNSpec.quantized_kernel_reason` (None: the fused kernels can run them).
+    """
+    if quantization is None:
+        return None
+    if reason is None:
+        _log_once(f"routed experts kept in {quantization.method} for the fused kernels; other quantized "
+                  "tensors of the checkpoint are dequantized at load")
+        return quantization
+    _log_once(f"{quantization.method} checkpoint dequantized to {str(dtype).removeprefix('torch.')} at load "
+              f"({reason})")
+    return None

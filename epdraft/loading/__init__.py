@@ -1,6 +1,7 @@
-"""safetensors -> FFN modules: every export naming, EP/TP-sharded reads, strict checks."""
+"""safetensors -> FFN modules: every export naming, EP/TP-sharded reads, quantized formats, strict checks."""
 
 from epdraft.loading.ffn import check_ffn_loaded, load_ffn, load_into
+from epdraft.loading.quantized import QuantizedSource, quantized_source
 from epdraft.loading.shard import ExpertShard
 from epdraft.loading.source import (
     DictSource,
@@ -16,6 +17,7 @@ __all__ = [
     "DictSource",
     "ExpertShard",
     "HeaderSource",
+    "QuantizedSource",
     "SafetensorsSource",
     "TensorSource",
     "as_source",
@@ -24,4 +26,5 @@ __all__ = [
     "load_ffn",
     "load_into",
     "open_checkpoint",
+    "quantized_source",
 ]

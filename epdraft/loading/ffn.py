@@ -15,11 +15,15 @@ from torch import nn
 
 from epdraft.errors import LoadError
 from epdraft.loading.names import MLP_RULES, MOE_RULES, display_name, match, relative_name
+from epdraft.loading.quant import e8m0_to_float
+from epdraft.loading.quantized import QuantizedSource
 from epdraft.loading.shard import ExpertShard
 from epdraft.loading.source import TensorSource, as_source
 
 
 Piece = tuple[str, int | None, str]
+
+_QUANTIZED_SUFFIXES = ("_blocks", "_scales", "_scale_inv")
 
 _ALL = slice(None)
 
@@ -108,10 +112,76 @@ def _check_token_table(table: torch.Tensor, name: str, num_experts: int) -> None
     tokens to experts that do not exist (an out-of-range gather, or a hang in the dispatch)."""
     if table.dtype.is_floating_point or table.dtype == torch.bool:
         raise LoadError(f"{name}: expected integer expert ids, found dtype {table.dtype}")
-    if table.numel() and (int(table.min()) < 0 or int(table.max()) >= num_experts):
+    if table.numel() and not table.is_meta and (int(table.min()) < 0 or int(table.max()) >= num_experts):
         raise LoadError(
             f"{name}: expert ids must lie in [0, {num_experts}), found [{int(table.min())}, {int(table.max())}]"
         )
+
+
+def _copy_stored(
+    source: TensorSource,
+    name: str,
+    form: str,
+    part: str,
+    expert: int | None,
+    params: dict[str, torch.Tensor],
+    slot: str,
+    shard: ExpertShard,
+    method: str,
+    block: tuple[int, int],
+) -> list[tuple[int | None, str]] | None:
+    """Copy the stored (quantized) values and scales of `name` into `slot` and `slot`_scale, this rank's experts only.
+
+    Quantized experts are held whole (moe_tp = 1) in gate-rows-first order; FP8 scale rows are
+    per 128 rows, so gate and up (I % 128 == 0, checked at build) fill whole scale rows.
+    """
+    stored = source.stored_names(name) if isinstance(source, QuantizedSource) else None
+    if stored is None:
+        raise LoadError(f"{name}: the layer's experts are {method} (quantization_config) but this tensor is "
+                        "stored unquantized")
+    values_name, scales_name = stored
+    values, scales = params[slot], params[slot + "_scale"]
+    s = shard
+    bn = block[0] if method == "fp8" else 1
+    rows = slice(s.first, s.first + s.count)
+    I = s.intermediate_size
+
+    def read(tensor_name: str, index: tuple) -> torch.Tensor:
+        t = source.get_stored(tensor_name, index)
+        if tensor_name == values_name:
+            if t.dtype != values.dtype:
+                raise LoadError(f"{tensor_name}: {method} values stored as {t.dtype}, expected {values.dtype}")
+            return t.flatten(-2) if method == "mxfp4" else t  # [.., N, K/32, 16] blocks -> [.., N, K/2] bytes
+        if method == "mxfp4":
+            if t.dtype != torch.uint8:
+                raise LoadError(f"{tensor_name}: mxfp4 scales stored as {t.dtype}, expected uint8 (e8m0)")
+            return t
+        return e8m0_to_float(t) if t.dtype == torch.uint8 else t.float()  # fp32 scales for the kernels
+
+    half = 0 if part in ("gate", "down") else I
+    if form == "expert":
+        if expert >= s.num_experts:
+            raise LoadError(f"{name}: expert {expert} out of range, the layer has {s.num_experts} experts")
+        if not s.holds(expert):
+            return None
+        local = expert - s.first
+        if part == "down":
+            values[local].copy_(read(values_name, ()))
+            scales[local].copy_(read(scales_name, ()))
+        else:
+            values[local, half : half + I].copy_(read(values_name, ()))
+            scales[local, half // bn : (half + I) // bn].copy_(read(scales_name, ()))
+        return [(expert, part)]
+    if form == "stacked" and part != "down":
+        values[:, half : half + I].copy_(read(values_name, (rows,)))
+        scales[:, half // bn : (half + I) // bn].copy_(read(scales_name, (rows,)))
+        return [(g, part) for g in range(s.first, s.first + s.count)]
+    if form in ("stacked", "fused_gate_up"):
+        values.copy_(read(values_name, (rows,)))
+        scales.copy_(read(scales_name, (rows,)))
+        parts = ("down",) if part == "down" else ("gate", "up")
+        return [(g, p) for g in range(s.first, s.first + s.count) for p in parts]
+    raise LoadError(f"{name}: form {form!r} cannot be held {method}")
 
 
 def load_into(module: nn.Module, tensors: Mapping[str, torch.Tensor] | TensorSource, layer_id: int | None) -> set[str]:
@@ -124,6 +194,7 @@ def load_into(module: nn.Module, tensors: Mapping[str, torch.Tensor] | TensorSou
     no router bias): dropping it would silently change the routing the draft was trained with.
     """
     source = as_source(tensors)
+    refuse_quantized = not isinstance(source, QuantizedSource)
     params = dict(module.named_parameters())
     shard: ExpertShard | None = module.expert_shard
     rules = MLP_RULES if shard is None else MOE_RULES
@@ -132,6 +203,10 @@ def load_into(module: nn.Module, tensors: Mapping[str, torch.Tensor] | TensorSou
     with torch.no_grad():
         for name in source.keys():
             relative = relative_name(name, layer_id)
+            if refuse_quantized and relative is not None and relative.endswith(_QUANTIZED_SUFFIXES):
+                # read as unquantized, a quantized export would load wrong values (or miss them all)
+                raise LoadError(f"{name}: a quantized tensor, but the config has no quantization_config "
+                                "(mxfp4 blocks/scales or fp8 weight_scale_inv need one)")
             hit = match(relative, rules) if relative is not None else None
             if hit is None:
                 continue
@@ -149,7 +224,12 @@ def load_into(module: nn.Module, tensors: Mapping[str, torch.Tensor] | TensorSou
                 )
             if rule.slot == "router.tid2eid":
                 _check_token_table(source.get(name), name, shard.num_experts)
-            pieces = _copy(source, name, form, rule.part, expert, param, shard)
+            quantized = getattr(getattr(module, "experts", None), "quantization", None)
+            if quantized is not None and rule.slot in ("experts.w13", "experts.w2"):
+                pieces = _copy_stored(source, name, form, rule.part, expert, params, rule.slot, shard,
+                                      quantized.method, quantized.block)
+            else:
+                pieces = _copy(source, name, form, rule.part, expert, param, shard)
             if pieces is not None:
                 module.loaded_pieces.update((rule.slot, g, p) for g, p in pieces)
             consumed.add(name)
@@ -167,6 +247,8 @@ def _required(module: nn.Module) -> list[Piece]:
     parts = {"experts.w13": ("gate", "up"), "experts.w2": ("down",), "experts.b13": ("",), "experts.b2": ("",)}
     pieces: list[Piece] = []
     for slot, _ in module.named_parameters():
+        if slot.endswith("_scale"):  # filled with its values (quantized experts)
+            continue
         if slot in parts:
             pieces.extend((slot, g, p) for g in local for p in parts[slot])
         else:

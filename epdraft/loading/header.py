@@ -14,6 +14,7 @@ import struct
 from pathlib import Path
 
 import msgspec
+import torch
 
 from epdraft.errors import LoadError
 
@@ -24,6 +25,12 @@ DTYPE_BYTES = {
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
 }  # fmt: skip
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# safetensors dtype names -> the torch dtypes a header-only load hands out (as meta tensors).
+TORCH_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8, "I8": torch.int8,
+    "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
+}  # fmt: skip
 
 
 class TensorHeader(msgspec.Struct, frozen=True):

@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from epdraft.errors import LoadError
-from epdraft.loading.header import TensorHeader, read_header
+from epdraft.loading.header import TORCH_DTYPES, TensorHeader, read_header
 
 Index = tuple[slice, ...]
 """Slices per leading dim (missing trailing dims = whole); () reads the whole tensor."""
@@ -168,7 +168,8 @@ class HeaderSource:
         return self.tensors[name].shape
 
     def get(self, name: str, index: Index = ()) -> torch.Tensor:
-        tensor = torch.empty(self.tensors[name].shape, device="meta")
+        header = self.tensors[name]
+        tensor = torch.empty(header.shape, dtype=TORCH_DTYPES.get(header.dtype, torch.float32), device="meta")
         return tensor[index] if index else tensor
 
 

@@ -18,7 +18,7 @@ import torch
 from epdraft.config.hf import read_config_json
 from epdraft.dispatch import Dispatcher
 from epdraft.errors import ConfigError, LoadError
-from epdraft.loading import TensorSource, open_checkpoint
+from epdraft.loading import TensorSource, open_checkpoint, quantized_source
 from epdraft.models.dflash import DFlashDraft
 from epdraft.models.protocol import DRAFT_FAMILIES, DraftModel
 from epdraft.models.spec import DraftModelSpec
@@ -52,7 +52,8 @@ def load_draft(
     path = Path(path)
     spec = spec if spec is not None else read_draft_spec(path)
     model = DRAFT_FAMILIES[spec.kind](spec, dtype=dtype, device=device, dispatcher=dispatcher)
-    load_draft_weights(model, open_checkpoint(path), origin=str(path))
+    # a quantized export (quantization_config) is dequantized to `dtype` as it is read
+    load_draft_weights(model, quantized_source(open_checkpoint(path), spec.ffn, dtype), origin=str(path))
     return model.eval()
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from epdraft.config import DraftDenseFFNSpec, DraftMixFFNSpec, DraftMoeFFNSpec
-from epdraft.config.hf import read_config_json
+from epdraft.config.hf import parse_ffn_config, read_config_json
 from epdraft.errors import ConfigError
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "configs"
@@ -225,7 +225,8 @@ def test_malformed_hash_layers_refused():
         ({"hidden_size": -1}, ("hidden_size = -1",)),
         ({"hidden_act": "gelu"}, ("hidden_act = 'gelu'",)),
         ({"num_local_experts": 128}, ("num_local_experts = 128 contradicts n_routed_experts = 256",)),
-        ({"quantization_config": {"quant_method": "fp8"}}, ("quantization_config", "fp8", "not supported")),
+        ({"quantization_config": {"quant_method": "fp8"}}, ("quantization_config.weight_block_size is missing",)),
+        ({"quantization_config": {"quant_method": "gptq"}}, ("quantization_config.quant_method = 'gptq'",)),
         ({"routed_scaling_factor": "2.5"}, ("routed_scaling_factor = '2.5'",)),
         ({"first_k_dense_replace": -1}, ("first_k_dense_replace = -1",)),
         ({"mlp_only_layers": [70]}, ("mlp_only_layers has 70",)),
@@ -264,6 +265,11 @@ def test_text_config_key_paths_and_quantization():
     bad["text_config"]["num_experts_per_tok"] = 512
     refused(bad, "text_config.num_experts_per_tok = 512", "text_config.num_experts = 256")
     refused(config | {"quantization_config": {"quant_method": "fp8"}}, "quantization_config", "fp8")
+    spec = parse_ffn_config(config | {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+    assert spec.quantization is not None and spec.quantization.block == (128, 128)
+    nested = copy.deepcopy(config)
+    nested["text_config"]["quantization_config"] = {"quant_method": "awq"}
+    refused(nested, "text_config.quantization_config.quant_method = 'awq'")
 
 
 def test_read_config_json_names_the_file(tmp_path):
@@ -314,3 +320,16 @@ def test_transformers_deepseek_v4_default_hash_layers_match_ours():
         assert _kinds(parse(config | change)) == list(hf.mlp_layer_types)
     del config["num_hash_layers"]
     assert _kinds(parse(config)) == list(transformers.AutoConfig.for_model(**config).mlp_layer_types)
+
+
+def test_quantization_reaches_the_layers_whose_experts_are_converted():
+    from epdraft.config.quant import QuantSpec
+
+    config = load("deepseek-v3") | {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                                            "modules_to_not_convert": ["model.layers.3.mlp.experts"]}}
+    spec = parse_ffn_config(config)
+    fp8 = QuantSpec(method="fp8", block=(128, 128), not_converted=("model.layers.3.mlp.experts",))
+    assert spec.quantization == fp8
+    assert spec.layers[3].quantization is None  # listed: its experts are stored unquantized
+    assert all(spec.layers[i].quantization == fp8 for i in spec.moe_layers if i != 3)
+    assert not hasattr(spec.layers[0], "quantization")  # dense layers carry no expert storage

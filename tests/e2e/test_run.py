@@ -101,3 +101,23 @@ def test_a_worker_whose_every_request_is_refused_exits_non_zero(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "requests: 2 (2 refused)" in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("fmt, layout, trained", [("mxfp4", "per-expert", True), ("fp8", "fused", True),
+                                                  ("mxfp4", "fused", False)])
+def test_run_quantized_draft_dequantized_at_load(fmt, layout, trained, tmp_path):
+    """A tiny quantized draft (tools/make_tiny_quant_draft.py: random weights, or the trained tiny draft's),
+    experts over 2 ranks: dequantized at load with one log line per rank, lossless, and quantizing the
+    trained draft keeps its acceptance."""
+    draft = tmp_path / "draft"
+    weights = ["--weights", "epdraft/assets/tiny-draft"] if trained else []
+    made = subprocess.run([sys.executable, "tools/make_tiny_quant_draft.py", "--format", fmt, "--layout", layout,
+                           *weights, "--out", str(draft)], capture_output=True, text=True, timeout=120, env=_env())
+    assert made.returncode == 0, made.stderr
+    proc, summary = run_epdraft(["--draft", str(draft), "--max-prompts", "5", "--max-new-tokens", "32"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert summary is not None and summary["lossless"] is True, proc.stdout
+    assert summary["accept_length"] >= (2.0 if trained else 1.0), proc.stdout
+    logged = [line for line in (proc.stdout + proc.stderr).splitlines() if "dequantized to float32 at load" in line]
+    assert len(logged) == 2 and all(f"{fmt} checkpoint dequantized" in line for line in logged), logged

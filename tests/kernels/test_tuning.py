@@ -118,3 +118,27 @@ def test_old_tables_read_with_defaults():
     raw = b'{"16": {"block_m": 16, "up": {"block_n": 64, "block_k": 128}, "down": {"block_n": 64, "block_k": 64}}}'
     table = msgspec.json.decode(raw, type=dict[int, MoeKernelConfig])
     assert table[16].up.split_k == 1 and table[16].up.group_m == 0 and table[16].down.group_m == 0
+
+
+def test_quantized_tables_are_their_own_and_fall_back_to_the_bf16_table(tmp_path, caplog):
+    name = tuning.config_file_name(8, 3072, 4096, torch.bfloat16, "NVIDIA H200", "mxfp4")
+    assert name == "E=8,N=3072,K=4096,dtype=bf16,weights=mxfp4,device=NVIDIA_H200.json"
+    tuning.save_table({16: cfg(16)}, tmp_path / tuning.config_file_name(8, 64, 32, torch.bfloat16, "Dev"))
+    got = tuning.get_config(8, 64, 32, torch.bfloat16, 16, 1, "Dev", tmp_path, weights="fp8")
+    assert got == cfg(16)  # no fp8 table: the shape's bf16 tiles (one warning names the missing file)
+    assert any("weights=fp8" in r.message for r in caplog.records)
+    tuning.save_table({16: cfg(32)}, tmp_path / tuning.config_file_name(8, 64, 32, torch.bfloat16, "Dev", "fp8"))
+    tuning.load_table.cache_clear()
+    assert tuning.get_config(8, 64, 32, torch.bfloat16, 16, 1, "Dev", tmp_path, weights="fp8") == cfg(32)
+
+
+def test_fit_format_makes_a_config_runnable_for_quantized_weights():
+    wide = MoeKernelConfig(block_m=16, up=UpConfig(block_n=32, block_k=256, split_k=4),
+                           down=DownConfig(block_n=64, block_k=128, split_k=1))
+    fp8 = tuning.fit_format(wide, "fp8", 128, hidden=4096, intermediate=1536)
+    assert (fp8.up.block_k, fp8.up.split_k, fp8.down.block_k) == (128, 4, 128)  # tiles within one scale block
+    mx = tuning.fit_format(wide, "mxfp4", 32, hidden=5120, intermediate=512)
+    assert mx.up.block_k * mx.up.split_k <= 5120 and 5120 % (mx.up.block_k * mx.up.split_k) == 0
+    assert tuning.fit_format(wide, "bf16", 1, 100, 100) == wide
+    with pytest.raises(ConfigError, match="not a multiple of 64"):
+        tuning.fit_format(wide, "mxfp4", 32, hidden=4096, intermediate=96)

@@ -1,0 +1,100 @@
+"""MXFP4 and block-scaled FP8 weights: dequantization (the reference every quantized kernel is held
+against) and the quantizers that make test checkpoints.
+
+Formats (see `epdraft.config.quant`): MXFP4 packs two e2m1 values per byte, element 2j in the low
+nibble and 2j+1 in the high one, 16 bytes per group of 32 that share one e8m0 exponent s
+(value = e2m1 * 2**(s - 127); s = 255 is NaN). FP8 holds e4m3 values with one fp32 scale per
+(bn x bk) block, the last row/column blocks possibly partial (value = fp8 * scale). Both are
+dequantized by exact fp32 arithmetic rounded once to the output dtype, which is what transformers'
+dequantizers compute too (tests/test_quant.py holds them bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epdraft.config.quant import MXFP4_GROUP
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The 16 e2m1 codes: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0."""
+
+E2M1_MAX = 6.0
+FP8_E4M3_MAX = 448.0
+
+
+def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
+    """fp32 2**(s - 127) of uint8 e8m0 exponents, built from the bits (no pow: exact for every s)."""
+    s = scales.to(torch.int32)
+    # s >= 1: a normal fp32 with biased exponent s; s = 0: the subnormal 2**-127 (bit 22).
+    bits = torch.where(s > 0, s << 23, torch.full_like(s, 1 << 22))
+    bits = torch.where(s == 255, torch.full_like(s, 0x7FC00000), bits)
+    return bits.view(torch.float32)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., N, G, 16] uint8 blocks and [..., N, G] uint8 e8m0 scales -> [..., N, 32 G] in `dtype`."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = blocks.to(torch.int32)
+    values = torch.stack((lut[codes & 0xF], lut[codes >> 4]), dim=-1).flatten(-2)  # [..., N, G, 32]
+    values = values * e8m0_to_float(scales).unsqueeze(-1)  # a power of two: exact in fp32
+    return values.flatten(-2).to(dtype)
+
+
+def expand_block_scales(scale: torch.Tensor, block: tuple[int, int], rows: slice, cols: slice) -> torch.Tensor:
+    """Per-element scales of weight[..., rows, cols] from the per-block `scale` of the blocks they touch.
+
+    `scale` holds the blocks from row block rows.start // bn and column block cols.start // bk on.
+    """
+    bn, bk = block
+    expanded = scale.repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)
+    r0, c0 = rows.start % bn, cols.start % bk
+    return expanded[..., r0 : r0 + rows.stop - rows.start, c0 : c0 + cols.stop - cols.start]
+
+
+def dequantize_fp8(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """[..., N, K] float8_e4m3fn weight times its [..., ceil(N/bn), ceil(K/bk)] block scales, in `dtype`.
+
+    fp32 scales are used as stored; uint8 ones are e8m0 exponents (`scale_fmt: ue8m0`).
+    """
+    scale32 = e8m0_to_float(scale) if scale.dtype == torch.uint8 else scale.float()
+    N, K = weight.shape[-2:]
+    full = expand_block_scales(scale32, block, slice(0, N), slice(0, K))
+    return (weight.float() * full).to(dtype)
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] float (K % 32 == 0) -> (blocks [..., N, K/32, 16] uint8, scales [..., N, K/32] uint8).
+
+    Per group: the exponent that puts its largest magnitude at or below e2m1's 6, each value rounded
+    to the nearest e2m1 code (ties to the lower magnitude). Good enough for test checkpoints.
+    """
+    *lead, N, K = weight.shape
+    groups = weight.float().reshape(*lead, N, K // MXFP4_GROUP, MXFP4_GROUP)
+    amax = groups.abs().amax(dim=-1)
+    # smallest e with amax / 2**e <= 6; all-zero groups get 2**-127 (code 0)
+    exponent = torch.ceil(torch.log2(amax.clamp_min(2.0**-126) / E2M1_MAX)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    magnitudes = torch.tensor(E2M1_VALUES[:8], device=weight.device)
+    codes = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)
+    codes = codes + 8 * ((scaled < 0) & (codes > 0))
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return packed, (exponent + 127).to(torch.uint8)
+
+
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] float -> (float8_e4m3fn weight, fp32 `weight_scale_inv` [..., ceil(N/bn), ceil(K/bk)]).
+
+    One scale per block maps its largest magnitude to e4m3's 448 (DeepSeek-V3's recipe).
+    """
+    bn, bk = block
+    *lead, N, K = weight.shape
+    nb, kb = -(-N // bn), -(-K // bk)
+    padded = torch.zeros(*lead, nb * bn, kb * bk, dtype=torch.float32, device=weight.device)
+    padded[..., :N, :K] = weight.float()
+    tiles = padded.reshape(*lead, nb, bn, kb, bk)
+    amax = tiles.abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    full = expand_block_scales(scale, block, slice(0, N), slice(0, K))
+    return (weight.float() / full).to(torch.float8_e4m3fn), scale

@@ -1,0 +1,134 @@
+"""Fused experts on FP8 (128 x 128 block scales) and MXFP4 weights against `experts_reference` on the
+dequantized bf16 weights: the four `epdraft bench kernel` shapes, T in {0, 1, 16, 128, 512, 2048}.
+
+The bound is DESIGN.md's bf16 drift (max |dy| <= 0.2 mean|y|, mean <= 0.02 mean|y|). MXFP4 tiles are
+exact in bf16, as the reference's dequantization is; FP8 tiles multiply as exact e4m3 values and
+their block scale is applied to the fp32 partial product, where the reference rounds fp8 * scale
+to bf16 first: a difference of at most one bf16 rounding per weight, besides accumulation order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from epdraft.bench.kernel import SHAPES
+from epdraft.config.ffn import ActivationSpec
+from epdraft.errors import ConfigError
+from epdraft.kernels.tuning import DownConfig, MoeKernelConfig, UpConfig, quantize_weights, random_routing
+from epdraft.layers.experts import experts_reference
+from tests.gpu.test_fused_moe import assert_matches
+
+pytestmark = pytest.mark.gpu
+
+TOKENS = (0, 1, 16, 128, 512, 2048)
+
+
+@functools.lru_cache(maxsize=1)
+def _weights(shape: str, fmt: str):
+    """(quantized w13, w2, their bf16 dequantization) of one bench shape; one shape held at a time."""
+    E, I, H, _ = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    w13 = quantize_weights(torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H**-0.5, fmt)
+    w2 = quantize_weights(torch.randn(E, H, I, device="cuda", generator=gen) * I**-0.5, fmt)
+    return w13, w2, w13.dequantized(torch.bfloat16), w2.dequantized(torch.bfloat16)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_quantized_experts_match_the_dequantized_reference(shape, fmt):
+    from epdraft.kernels.fused_moe import fused_experts_quantized
+
+    E, I, H, K = SHAPES[shape]
+    w13, w2, ref13, ref2 = _weights(shape, fmt)
+    failures = []
+    for num_tokens in TOKENS:
+        gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+        x = torch.randn(num_tokens, H, device="cuda", generator=gen).to(torch.bfloat16)
+        ids, weights = random_routing(num_tokens, E, K, torch.device("cuda"), gen)
+        out = fused_experts_quantized(x, ids, weights, w13, w2, ActivationSpec())
+        try:
+            assert_matches(out, experts_reference(x, ids, weights, ref13, ref2, ActivationSpec()))
+        except AssertionError as e:
+            failures.append(f"T={num_tokens}: {e}")
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("up_split, down_split, block_m", [(1, 1, 16), (2, 4, 16), (1, 2, 64)])
+def test_quantized_split_k_bias_and_clamp(fmt, up_split, down_split, block_m):
+    """Split-K partials, expert biases, the swigluoai clamp and dropped (-1) pairs on quantized weights."""
+    from epdraft.kernels.fused_moe import fused_experts_with_config
+
+    E, I, H, K = 8, 512, 1024, 4
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    w13 = quantize_weights(torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H**-0.5, fmt)
+    w2 = quantize_weights(torch.randn(E, H, I, device="cuda", generator=gen) * I**-0.5, fmt)
+    b13 = (torch.randn(E, 2 * I, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
+    b2 = (torch.randn(E, H, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
+    x = torch.randn(300, H, device="cuda", generator=gen).to(torch.bfloat16)
+    ids, weights = random_routing(300, E, K, torch.device("cuda"), gen)
+    ids[::7, 1] = -1
+    act = ActivationSpec(kind="swigluoai", limit=7.0)
+    config = MoeKernelConfig(block_m=block_m, up=UpConfig(block_n=64, block_k=128, split_k=up_split),
+                             down=DownConfig(block_n=64, block_k=64, split_k=down_split))
+    out = fused_experts_with_config(x, ids, weights, w13, w2, act, b13, b2, config)
+    ref = experts_reference(x, ids, weights, w13.dequantized(torch.bfloat16), w2.dequantized(torch.bfloat16), act,
+                            b13, b2)
+    assert_matches(out, ref)
+
+
+def test_quantized_refusals_name_the_tensor():
+    from epdraft.kernels.fused_moe import fused_experts_quantized
+
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    w13 = quantize_weights(torch.randn(4, 256, 256, device="cuda", generator=gen), "mxfp4")
+    w2 = quantize_weights(torch.randn(4, 256, 128, device="cuda", generator=gen), "fp8")
+    x = torch.randn(3, 256, device="cuda").to(torch.bfloat16)
+    ids, weights = random_routing(3, 4, 2, torch.device("cuda"), gen)
+    with pytest.raises(ConfigError, match="w13 is mxfp4, w2 fp8"):
+        fused_experts_quantized(x, ids, weights, w13, w2, ActivationSpec())
+    w2 = quantize_weights(torch.randn(4, 256, 128, device="cuda", generator=gen), "mxfp4")
+    with pytest.raises(ConfigError, match="needs? bf16 activations"):
+        fused_experts_quantized(x.half(), ids, weights, w13, w2, ActivationSpec())
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_draft_moe_keeps_quantized_experts_on_cuda(fmt):
+    """A DraftMoE built on CUDA in bf16 from a quantized checkpoint holds the stored blocks and runs the
+    quantized kernels; its output matches the same layer holding the dequantized weights."""
+    import msgspec
+
+    from epdraft.config.ffn import DraftMoeFFNSpec, RouterSpec
+    from epdraft.config.quant import QuantSpec
+    from epdraft.layers import DraftMoE
+    from epdraft.loading import QuantizedSource, load_ffn
+    from epdraft.loading.quant import quantize_fp8, quantize_mxfp4
+
+    E, I, H = 16, 256, 512
+    quant = QuantSpec(method=fmt, block=(128, 128) if fmt == "fp8" else (1, 32), not_converted=("mlp.gate",))
+    spec = DraftMoeFFNSpec(router=RouterSpec(num_experts=E, top_k=4), intermediate_size=I, quantization=quant)
+    gen = torch.Generator().manual_seed(11)
+    tensors = {"layers.0.mlp.gate.weight": torch.randn(E, H, generator=gen)}
+    for e in range(E):
+        for part, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            name = f"layers.0.mlp.experts.{e}.{part}_proj.weight"
+            w = torch.randn(*shape, generator=gen) * shape[1] ** -0.5
+            if fmt == "mxfp4":
+                blocks, scales = quantize_mxfp4(w)
+                tensors |= {name + "_blocks": blocks, name + "_scales": scales}
+            else:
+                q, scale = quantize_fp8(w, (128, 128))
+                tensors |= {name: q, name + "_scale_inv": scale}
+    held = DraftMoE(spec, H, layer_id=0, dtype=torch.bfloat16, device="cuda")
+    plain = DraftMoE(msgspec.structs.replace(spec, quantization=None), H, layer_id=0, dtype=torch.bfloat16,
+                     device="cuda")
+    for module in (held, plain):
+        load_ffn(module, QuantizedSource(tensors, quant, torch.bfloat16, transposed_stacked=False), 0)
+    assert held.experts.quantization == quant and plain.experts.quantization is None
+    x = torch.randn(64, H, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        assert_matches(held(x), plain(x))
