@@ -14,9 +14,9 @@ from epdraft.config.ffn import ActivationSpec, DraftMoeFFNSpec, RouterSpec
 from epdraft.config.quant import QuantSpec, parse_quantization_config
 from epdraft.errors import ConfigError, LoadError
 from epdraft.layers import DraftMoE
-from epdraft.layers.moe_context import MoeContext
 from epdraft.loading import QuantizedSource, load_ffn, open_checkpoint
 from epdraft.loading.quant import dequantize_fp8, quantize_fp8, quantize_mxfp4
+from tests.stubs import LocalIdsDispatcher, shard_layout
 from tests.test_loading import CountingSource
 
 mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
@@ -79,8 +79,13 @@ def _save(tensors, path):
     return path
 
 
-def _load(fmt, source, oss=False, **ctx):
-    module = DraftMoE(_moe_spec(SIZES[fmt], oss), H, layer_id=LAYER, moe_context=MoeContext(**ctx))
+def _sharded(spec, **shard):
+    """The DraftMoE of one rank's shard, without any process group."""
+    return DraftMoE(spec, H, layer_id=LAYER, dispatcher=LocalIdsDispatcher(shard_layout(spec, H, **shard)))
+
+
+def _load(fmt, source, oss=False, **shard):
+    module = _sharded(_moe_spec(SIZES[fmt], oss), **shard)
     load_ffn(module, QuantizedSource(source, SPECS[fmt], torch.float32, transposed_stacked=oss), LAYER)
     return module
 
@@ -252,13 +257,13 @@ def test_experts_held_quantized_read_only_their_stored_blocks(tmp_path, kernels_
     path = _save(tensors, tmp_path / "q.safetensors")
     spec = msgspec.structs.replace(_moe_spec(I), quantization=SPECS[fmt])
     source = CountingSource(open_checkpoint(path))
-    held = DraftMoE(spec, H, layer_id=LAYER, moe_context=MoeContext(ep_rank=ep_rank, ep_size=2))
+    held = _sharded(spec, ep_rank=ep_rank, ep_size=2)
     load_ffn(held, QuantizedSource(source, SPECS[fmt], torch.float32, transposed_stacked=False), LAYER)
     assert held.experts.quantization == SPECS[fmt]
     assert held.experts.w13.dtype == (torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn)
     stored = sum(t.numel() * t.element_size() for n, t in tensors.items() if ".experts." in n)
     assert sum(b for n, _, b in source.reads if ".experts." in n) == stored // 2
-    plain = DraftMoE(_moe_spec(I), H, layer_id=LAYER, moe_context=MoeContext(ep_rank=ep_rank, ep_size=2))
+    plain = _sharded(_moe_spec(I), ep_rank=ep_rank, ep_size=2)
     load_ffn(plain, QuantizedSource(open_checkpoint(path), SPECS[fmt], torch.float32, transposed_stacked=False), LAYER)
     w13, w2 = held.experts.weights()
     assert torch.equal(w13.dequantized(torch.float32), plain.experts.w13)
