@@ -29,10 +29,12 @@ from epdraft.config.parallel import ParallelConfig, check_moe_split
 from epdraft.errors import ConfigError, LoadError, RequestError
 from epdraft.loading.header import FLOAT_DTYPES
 
-# What a draft export may store: float weights, FP8 / MXFP4 quantized experts (F8 values, U8
-# blocks and e8m0 scales) and integer tables (a hash layer's tid2eid). The loader checks each
-# tensor's place and shape; this only refuses what no tensor of a draft can be.
-DRAFT_DTYPES = (*FLOAT_DTYPES, "F8_E4M3", "F8_E5M2", "U8", "I64", "I32")
+# What a draft export may store: float weights and FP8 / MXFP4 quantized experts (F8 values, U8
+# blocks and e8m0 scales); integers only in a hash layer's token table. The loader checks each
+# tensor's place and shape; this refuses what no such tensor can be.
+DRAFT_DTYPES = (*FLOAT_DTYPES, "F8_E4M3", "F8_E5M2", "U8")
+TOKEN_TABLE_DTYPES = ("I64", "I32")
+from epdraft.loading.quantized import quantized_source
 from epdraft.loading.source import HeaderSource, checkpoint_weight_map
 from epdraft.models.spec import DraftModelSpec, check_against_target
 from epdraft.target.base import validate_prompt
@@ -110,10 +112,19 @@ def check_draft(path: str | Path) -> tuple[DraftModelSpec, dict[str, Path]]:
     weight_map = checkpoint_weight_map(directory)
     source = HeaderSource(weight_map)
     for name, t in source.tensors.items():
-        if t.dtype not in DRAFT_DTYPES:
-            raise LoadError(f"{weight_map[name]}: {name}: dtype {t.dtype}, expected one of {', '.join(DRAFT_DTYPES)}")
-    model = DRAFT_FAMILIES[spec.kind](spec, dtype=torch.float32, device="meta", dispatcher=None)
-    load_draft_weights(model, source, origin=str(directory))
+        allowed = TOKEN_TABLE_DTYPES if name.endswith(".tid2eid") else DRAFT_DTYPES
+        if t.dtype not in allowed:
+            raise LoadError(f"{weight_map[name]}: {name}: dtype {t.dtype}, expected one of {', '.join(allowed)}")
+    # The meta model only checks names and shapes: the load-time facts it would log (how quantized
+    # experts are stored) are the ranks' to say, on their own device.
+    storage_log = logging.getLogger("epdraft.layers.routed_experts")
+    level = storage_log.level
+    storage_log.setLevel(logging.WARNING)
+    try:
+        model = DRAFT_FAMILIES[spec.kind](spec, dtype=torch.float32, device="meta", dispatcher=None)
+        load_draft_weights(model, quantized_source(source, spec.ffn, torch.float32), origin=str(directory))
+    finally:
+        storage_log.setLevel(level)
     return spec, weight_map
 
 
@@ -127,6 +138,10 @@ def check_finite(weight_map: dict[str, Path]) -> None:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 tensor = f.get_tensor(name)
+                if not tensor.dtype.is_floating_point:  # token tables, MXFP4 blocks and e8m0 scales
+                    continue
+                if tensor.element_size() == 1:  # FP8: torch has no isfinite for it
+                    tensor = tensor.float()
                 bad = int((~torch.isfinite(tensor)).sum())
                 if bad:
                     raise LoadError(
@@ -150,13 +165,6 @@ def check_target(path: str | Path, *, draft: str | Path) -> TargetFacts:
     for key, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{config_file}: {key} = {value!r}, expected a positive integer")
-    layer_types = config.get("layer_types") or text.get("layer_types") or []
-    sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
-    if sliding:
-        raise ConfigError(
-            f"{config_file}: layer_types: layers {sliding} are not full_attention; "
-            "only full-attention targets are supported"
-        )
     max_positions = config.get("max_position_embeddings", text.get("max_position_embeddings"))
     facts = TargetFacts(
         path=directory,
