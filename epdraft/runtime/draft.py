@@ -29,7 +29,7 @@ import torch
 
 from epdraft.config.parallel import ParallelConfig
 from epdraft.dispatch import MoeLayout, StepPlan, make_dispatcher
-from epdraft.errors import RequestError
+from epdraft.errors import ConfigError, RequestError
 from epdraft.layers.moe import DraftMoE
 from epdraft.layers.routed_experts import reference_fallback_reason
 from epdraft.models.checkpoint import load_draft, read_draft_spec
@@ -146,7 +146,18 @@ class DraftRuntime:
         spec: DraftModelSpec | None = None,
         **kwargs,
     ) -> DraftRuntime:
-        """As `build`, with the layout resolved from a ParallelConfig's `draft` section (`auto` planned here)."""
+        """As `build`, with the layout resolved from a ParallelConfig's `draft` section (`auto` planned here)
+        and the KV pool sized by `draft.max_requests` / `draft.max_context` unless given.
+
+        Raises ConfigError naming the key when neither the config nor the caller sizes the pool.
+        """
+        for key in ("max_requests", "max_context"):
+            kwargs.setdefault(key, getattr(pc.draft, key))
+            if kwargs[key] < 1:
+                raise ConfigError(
+                    f"draft.{key} = 0: a DraftRuntime's KV pool needs its size (set draft.max_requests and "
+                    "draft.max_context, or pass them; epdraft run sizes them from its prompts)"
+                )
         spec = spec if spec is not None else read_draft_spec(draft_path)
         layout = MoeLayout.resolve(pc, spec.ffn, groups)
         return cls.build(draft_path, heads, groups=groups, layout=layout, spec=spec, **kwargs)
