@@ -11,7 +11,7 @@ import pytest
 from epdraft.config.parallel import DraftConfig
 from tests.e2e.test_run import run_epdraft
 
-MODE_KEYS = ("moe_layout", "a2a_backend", "dp_padding", "low_latency")
+MODE_KEYS = ("moe_layout", "a2a_backend", "dp_padding", "low_latency", "cuda_graphs")
 
 
 def _schema_values() -> list[tuple[str, object]]:
