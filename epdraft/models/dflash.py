@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from epdraft.dispatch import Dispatcher, StepPlan
-from epdraft.errors import ConfigError
+from epdraft.errors import ConfigError, NonFiniteError
 from epdraft.layers.build import build_ffn
 from epdraft.layers.mlp import DraftMLP
 from epdraft.layers.moe import DraftMoE
@@ -176,6 +176,15 @@ class DFlashDraft(nn.Module):
         self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None = None
     ) -> torch.Tensor:
         """Final-normed hidden [N, B, H] of the blocks [anchor, MASK x (B-1)] over each request's context."""
+        return self._block_hidden(caches, anchors_N, heads, plan)[0]
+
+    def _block_hidden(
+        self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`block_hidden`, and [num_layers] bool on the device: whether each layer's output is finite.
+
+        The flags stay on the device (no host sync per layer); `propose` reads them once.
+        """
         N, B = len(caches), self.spec.block_size
         device = self.fc.weight.device
         ids_NB = torch.full((N, B), self.spec.mask_token_id, dtype=torch.long, device=device)
@@ -185,11 +194,13 @@ class DFlashDraft(nn.Module):
         positions_NB = starts.unsqueeze(1) + torch.arange(B, device=device)
         allowed = context_mask(caches, B, device)
         scratch = ContextScratch()
+        finite_L = []
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             k, v = padded_context(caches, i, x, attn.num_kv_heads, attn.head_dim, scratch)
             x = layer(x, positions_NB, k, v, allowed, plan)
-        return self.norm(x)
+            finite_L.append(torch.isfinite(x).all())
+        return self.norm(x), torch.stack(finite_L)
 
     def readout(self, hidden_NQH: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads) -> torch.Tensor:
         """Greedy drafts [N, B-1] from the hidden of block rows 1..B-1 (mask-filling readout)."""
@@ -204,6 +215,18 @@ class DFlashDraft(nn.Module):
         caches[i] holds request i's context (its `length` is the anchor's position); anchors_N [N]
         are the last verified tokens (the verify's bonus, or prefill's first token); `plan` is the
         step's agreed row counts, passed to every MoE layer (None: a single process).
+
+        Raises NonFiniteError naming the first layer whose output went NaN or inf: drafts read
+        from it would be garbage that only lowers the accept length, silently.
         """
-        hidden = self.block_hidden(caches, anchors_N, heads, plan)
-        return self.readout(hidden[:, 1:], anchors_N, heads)
+        hidden, finite_L = self._block_hidden(caches, anchors_N, heads, plan)
+        drafts_NB = self.readout(hidden[:, 1:], anchors_N, heads)
+        # The step's one host read of the flags, queued after the readout: the caller reads the
+        # drafts right after, so on a GPU this sync is the one that would happen anyway.
+        if not bool(finite_L.all()):
+            layer = int((~finite_L).nonzero()[0, 0])
+            raise NonFiniteError(
+                f"draft layer {layer}'s hidden states went NaN or inf (over {len(caches)} requests' blocks): its "
+                f"weights, or activations overflowing {hidden.dtype}"
+            )
+        return drafts_NB

@@ -11,6 +11,11 @@ every rank, every step, in the same order:
 `propose` does the step's one sync (row counts, step id, the caller's extras) and then runs every
 draft layer once over all of the rank's rows, handing the agreed plan to every MoE layer, so each
 MoE collective is entered exactly once per layer per step by every rank.
+
+Every rank's `Watchdog` beats through the rendezvous store (the runner passes its own; otherwise
+`build` starts one over the coordinator's ranks and `close` stops it). When a step's collective
+fails because a peer died, `propose` raises a ParallelError naming that peer, this rank's step
+and phase, instead of torch's "Connection reset by peer", so an engine gets the runner's error.
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from epdraft.config.parallel import ParallelConfig
+from epdraft.config.parallel import DEFAULT_HANG_TIMEOUT_S, ParallelConfig
 from epdraft.dispatch import MoeLayout, StepPlan, make_dispatcher
-from epdraft.errors import RequestError
+from epdraft.errors import EpdraftError, NonFiniteError, RequestError
 from epdraft.layers.moe import DraftMoE
 from epdraft.layers.routed_experts import reference_fallback_reason
 from epdraft.models.cache import DraftCache
@@ -34,6 +39,7 @@ from epdraft.models.dflash import TargetHeads
 from epdraft.models.protocol import DraftModel
 from epdraft.models.spec import DraftModelSpec
 from epdraft.parallel.groups import Groups
+from epdraft.parallel.watchdog import Watchdog
 from epdraft.runtime.coordinator import StepCoordinator
 from epdraft.runtime.timing import PhaseTimers, TimedDispatcher, time_forward
 from epdraft.target.base import VerifyResult
@@ -59,6 +65,9 @@ class DraftRuntime:
         coordinator: the per-step StepCoordinator over the draft's DP group.
         layout: the MoeLayout the draft was built with (what the run summary reports).
         timers: phase timers (None: no timing, no extra device syncs).
+        watchdog: this rank's heartbeat (its step and phase are set here), which names the lost
+            peer when a step's collective fails.
+        owns_watchdog: whether `close` stops it (the runtime started it).
     """
 
     def __init__(
@@ -68,6 +77,8 @@ class DraftRuntime:
         coordinator: StepCoordinator,
         layout: MoeLayout,
         *,
+        watchdog: Watchdog,
+        owns_watchdog: bool = False,
         timers: PhaseTimers | None = None,
     ):
         self.draft = draft
@@ -75,12 +86,18 @@ class DraftRuntime:
         self.coordinator = coordinator
         self.layout = layout
         self.timers = timers
+        self.watchdog = watchdog
+        self._owns_watchdog = owns_watchdog
         self._caches: dict[int, DraftCache] = {}
-        self._dispatchers = {id(m.dispatcher): m.dispatcher for m in draft.modules() if isinstance(m, DraftMoE)}
-        if timers is not None:
-            for m in draft.modules():
-                if isinstance(m, DraftMoE):
-                    time_forward(m, timers, "moe_total")
+        moe_layers = [m for m in draft.modules() if isinstance(m, DraftMoE)]
+        self._dispatchers = {id(m.dispatcher): m.dispatcher for m in moe_layers}
+        for m in moe_layers:
+            # Names the layer a lost peer left this rank in (an attribute write: no sync, no store access).
+            m.register_forward_pre_hook(
+                lambda _m, _args, phase=f"draft layer {m.layer_id} MoE": watchdog.progress(phase=phase)
+            )
+            if timers is not None:
+                time_forward(m, timers, "moe_total")
 
     @classmethod
     def build(
@@ -95,10 +112,15 @@ class DraftRuntime:
         device: torch.device | str = "cpu",
         num_extras: int = 0,
         timers: PhaseTimers | None = None,
+        watchdog: Watchdog | None = None,
+        hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
     ) -> DraftRuntime:
         """Load the draft at `draft_path` onto this rank as `layout` places it (the engine passes its groups).
 
         `spec`: the draft's spec when already read (its config.json is then not read again).
+        `watchdog`: the rank's running watchdog; None: one is started over `groups.cpu`'s ranks
+        (through the default group's store; a stalled peer is logged after `hang_timeout_s`)
+        and stopped by `close`. Every rank of `groups.cpu` must build its runtime the same way.
         """
         spec = spec if spec is not None else read_draft_spec(draft_path)
         dispatcher = make_dispatcher(layout, groups.moe if layout.layout != "replicated" else None)
@@ -109,7 +131,10 @@ class DraftRuntime:
         draft = load_draft(draft_path, spec=spec, dtype=dtype, device=device, dispatcher=dispatcher)
         coordinator = StepCoordinator(groups.cpu, num_extras=num_extras)
         log.info("draft MoE layout: %s", layout.label)
-        return cls(draft, heads, coordinator, layout, timers=timers)
+        owns = watchdog is None
+        if watchdog is None:
+            watchdog = Watchdog.start_for(groups.cpu, hang_timeout_s=hang_timeout_s, name="draft")
+        return cls(draft, heads, coordinator, layout, watchdog=watchdog, owns_watchdog=owns, timers=timers)
 
     @classmethod
     def from_config(
@@ -122,9 +147,11 @@ class DraftRuntime:
         spec: DraftModelSpec | None = None,
         **kwargs,
     ) -> DraftRuntime:
-        """As `build`, with the layout resolved from a ParallelConfig's `draft` section (`auto` planned here)."""
+        """As `build`, with the layout resolved from a ParallelConfig's `draft` section (`auto` planned
+        here) and a watchdog it starts bounded by its `cluster.hang_timeout_s`."""
         spec = spec if spec is not None else read_draft_spec(draft_path)
         layout = MoeLayout.resolve(pc, spec.ffn, groups)
+        kwargs.setdefault("hang_timeout_s", pc.cluster.hang_timeout_s)
         return cls.build(draft_path, heads, groups=groups, layout=layout, spec=spec, **kwargs)
 
     @property
@@ -157,19 +184,40 @@ class DraftRuntime:
 
         Every rank must call this once per step, an idle rank with `anchors = {}`. Returns with
         empty drafts on every rank when the agreed plan says no rank has rows.
+
+        Raises ParallelError naming the lost peer(s), this step and phase when a collective fails
+        because a peer died or stalled; NonFiniteError naming the draft layer whose hidden states
+        went NaN or inf.
         """
         missing = [r for r in anchors if r not in self._caches]
         if missing:
             raise RequestError(f"propose: requests {missing} were never added on this rank")
-        with self._phase("sync"):
-            plan = self.coordinator.sync(step, len(anchors) * self.block_size, extras)
-        if plan.skip:
-            return Proposal(plan, {})
-        ids = list(anchors)
-        anchors_N = torch.tensor([anchors[r] for r in ids], dtype=torch.long, device=self.draft.device)
-        with self._phase("draft_propose"):
-            drafts_NB = self.draft.propose([self._caches[r] for r in ids], anchors_N, self.heads, plan)
+        try:
+            self.watchdog.progress(step, "step sync")
+            with self._phase("sync"):
+                plan = self.coordinator.sync(step, len(anchors) * self.block_size, extras)
+            if plan.skip:
+                return Proposal(plan, {})
+            self.watchdog.progress(phase="draft propose")
+            ids = list(anchors)
+            anchors_N = torch.tensor([anchors[r] for r in ids], dtype=torch.long, device=self.draft.device)
+            with self._phase("draft_propose"):
+                drafts_NB = self.draft.propose([self._caches[r] for r in ids], anchors_N, self.heads, plan)
+        except NonFiniteError as e:
+            raise self._failed(NonFiniteError(f"rank {self.coordinator.rank} at step {step}: {e}")) from None
+        except EpdraftError:
+            raise
+        except RuntimeError as e:
+            lost = self.watchdog.lost_error(e, what=f"step {step}'s draft collectives")
+            if lost is None:
+                raise
+            raise self._failed(lost) from e
         return Proposal(plan, {r: drafts_NB[i] for i, r in enumerate(ids)})
+
+    def _failed(self, error: EpdraftError) -> EpdraftError:
+        """Tell the peers why this rank fails (they name it rather than calling it gone); return `error`."""
+        self.watchdog.fail(str(error))
+        return error
 
     @torch.no_grad()
     def commit(self, result: VerifyResult) -> None:
@@ -181,6 +229,9 @@ class DraftRuntime:
             )
 
     def close(self) -> None:
-        """Free the dispatcher's buffers (every rank of the MoE group must call it)."""
+        """Free the dispatcher's buffers (every rank of the MoE group must call it) and stop the
+        watchdog the runtime started (before the engine leaves the world)."""
         for dispatcher in self._dispatchers.values():
             dispatcher.close()
+        if self._owns_watchdog:
+            self.watchdog.stop()

@@ -22,6 +22,7 @@ from epdraft.config.parallel import ParallelConfig
 from epdraft.models.spec import DraftModelSpec, check_against_target
 from epdraft.parallel.address import is_loopback
 from epdraft.parallel.groups import Groups, resolve_backend
+from epdraft.parallel.watchdog import Watchdog
 from epdraft.runtime import DraftRuntime, PhaseTimers
 from epdraft.target.heads import HFHeads
 from epdraft.target.hf import HFTarget
@@ -40,7 +41,7 @@ _DRAFT_PHASES = ("sync", "draft_context", "draft_propose", "moe_total", "moe_dis
 
 
 def run_disaggregated(
-    pc: ParallelConfig, groups: Groups | None, job: RunJob, setup: RankSetup
+    pc: ParallelConfig, groups: Groups | None, job: RunJob, setup: RankSetup, watchdog: Watchdog
 ) -> tuple[RankReport, HFTarget | None, Callable[[list[RankReport]], list[RankReport]]]:
     """Serve this rank's side; returns its report, its target (None on a draft rank) and how rank 0
     merges the reports (the target ranks', with the draft ranks' phases and layout folded in).
@@ -68,13 +69,13 @@ def run_disaggregated(
             check_against_target(
                 spec, hidden_size=heads.hidden_size, num_layers=heads.num_layers, vocab_size=heads.vocab_size
             )
-            report = _serve_draft(pc, job, groups, heads, link, timers, rank, spec)
+            report = _serve_draft(pc, job, groups, heads, link, timers, rank, spec, watchdog)
         else:
             target = HFTarget.from_pretrained(job.target, spec.target_layer_ids, dtype=setup.dtype, device=setup.device)
             check_against_target(
                 spec, hidden_size=target.hidden_size, num_layers=target.num_layers, vocab_size=target.vocab_size
             )
-            report = _serve_target(pc, target, link, setup.prompts, timers, rank, job)
+            report = _serve_target(pc, target, link, setup.prompts, timers, rank, job, watchdog)
     finally:
         link.close()
     return report, target, lambda reports: _target_reports(pc, reports)
@@ -88,6 +89,7 @@ def _serve_target(
     timers: PhaseTimers,
     rank: int,
     job: RunJob,
+    watchdog: Watchdog,
 ) -> RankReport:
     dp_rank = pc.target_ranks.index(rank)
     mine = assign_prompts([len(p) for p in prompts], job.max_new_tokens, pc.target_world_size)[dp_rank]
@@ -96,7 +98,8 @@ def _serve_target(
     feature_dim = len(target.feature_layer_ids) * target.hidden_size
     drafter = RemoteDrafter(link, draft_rank, feature_dim, target.model.dtype, timers)
     return serve_requests(
-        target, drafter, {i: prompts[i] for i in mine}, rank=rank, max_new_tokens=job.max_new_tokens, timers=timers
+        target, drafter, {i: prompts[i] for i in mine}, rank=rank, max_new_tokens=job.max_new_tokens, timers=timers,
+        watchdog=watchdog,
     )
 
 
@@ -109,11 +112,13 @@ def _serve_draft(
     timers: PhaseTimers,
     rank: int,
     spec: DraftModelSpec,
+    watchdog: Watchdog,
 ) -> RankReport:
     targets = paired_target_ranks(pc, rank)
     log.info("draft DP rank %d serves target ranks %s", groups.dp_rank, list(targets))
     runtime = DraftRuntime.from_config(
-        pc, job.draft, heads, groups=groups, spec=spec, dtype=heads.dtype, device=heads.device, timers=timers
+        pc, job.draft, heads, groups=groups, spec=spec, dtype=heads.dtype, device=heads.device, timers=timers,
+        watchdog=watchdog,
     )
     try:
         link.register_as_draft(targets)

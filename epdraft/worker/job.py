@@ -21,6 +21,7 @@ from epdraft.config.parallel import ParallelConfig
 from epdraft.models.checkpoint import read_draft_spec
 from epdraft.models.spec import DraftModelSpec, check_against_target
 from epdraft.parallel.groups import Groups, resolve_backend
+from epdraft.parallel.watchdog import Watchdog
 from epdraft.runtime import DraftRuntime, PhaseTimers
 from epdraft.target.hf import HFTarget
 from epdraft.target.prompts import read_prompts
@@ -70,28 +71,34 @@ def rank_setup(pc: ParallelConfig, job: RunJob) -> RankSetup:
     )
 
 
-def run_job(pc: ParallelConfig, config_path: str, groups: Groups | None, job: RunJob) -> bool:
+def run_job(pc: ParallelConfig, config_path: str, groups: Groups | None, job: RunJob, watchdog: Watchdog) -> bool:
     """Serve the job's prompts; rank 0 prints (and writes) the summary.
 
     `groups` is None exactly on a rank that holds no draft (a disaggregated target rank).
+    `watchdog`: this rank's, told each phase (a stalled peer is named with its last one).
     Returns False when the lossless check failed (rank 0), True otherwise.
     """
+    watchdog.progress(phase="reading the draft config and prompts")
     setup = rank_setup(pc, job)
     if pc.placement.mode == "disaggregated":
         from epdraft.worker.disagg_job import run_disaggregated
 
-        report, target, select = run_disaggregated(pc, groups, job, setup)
-        return finish(report, target, job, pc, config_path, setup.prompts, group=None, root=0, select=select)
+        watchdog.progress(phase="serving (disaggregated)")
+        report, target, select = run_disaggregated(pc, groups, job, setup, watchdog)
+        return finish(report, target, job, pc, config_path, setup.prompts, group=None, root=0, select=select,
+                      watchdog=watchdog)  # fmt: skip
     assert groups is not None, "a colocated rank always holds the draft"
     spec = setup.spec
+    watchdog.progress(phase="loading the target")
     target = HFTarget.from_pretrained(job.target, spec.target_layer_ids, dtype=setup.dtype, device=setup.device)
     check_against_target(
         spec, hidden_size=target.hidden_size, num_layers=target.num_layers, vocab_size=target.vocab_size
     )
     timers = PhaseTimers(setup.device)
+    watchdog.progress(phase="loading the draft")
     runtime = DraftRuntime.from_config(
         pc, job.draft, target, groups=groups, spec=spec, dtype=setup.dtype, device=setup.device, num_extras=2,
-        timers=timers,
+        timers=timers, watchdog=watchdog,
     )  # fmt: skip
     try:
         prompts = setup.prompts
@@ -104,12 +111,14 @@ def run_job(pc: ParallelConfig, config_path: str, groups: Groups | None, job: Ru
             rank=dist.get_rank(),
             max_new_tokens=job.max_new_tokens,
             timers=timers,
+            watchdog=watchdog,
         )
         report.layout = runtime.layout.label
     finally:
         runtime.close()
     root = dist.get_process_group_ranks(groups.cpu)[0]
-    return finish(report, target, job, pc, config_path, setup.prompts, group=groups.cpu, root=root)
+    return finish(report, target, job, pc, config_path, setup.prompts, group=groups.cpu, root=root,
+                  watchdog=watchdog)  # fmt: skip
 
 
 def finish(
@@ -123,12 +132,15 @@ def finish(
     group: dist.ProcessGroup | None,
     root: int,
     select: Callable[[list[RankReport]], list[RankReport]] = lambda reports: reports,
+    watchdog: Watchdog,
 ) -> bool:
     """Attach the target's own greedy decodes (on ranks holding the target), then report to `root`."""
+    watchdog.progress(phase="lossless check")
     if target is not None and job.check_lossless:
         for o in report.requests:
             if o.error is None:
                 o.reference_tokens = greedy_reference(target.model, prompts[o.request_id], job.max_new_tokens)
+    watchdog.progress(phase="reporting to rank 0")
     return report_to_root(report, job, pc, config_path, group=group, root=root, select=select)
 
 

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from epdraft.errors import RequestError
+from epdraft.parallel.watchdog import Watchdog
 from epdraft.runtime import DraftRuntime, PhaseTimers
 from epdraft.target.base import Target, VerifyResult
 from epdraft.target.hf import cache_kwarg
@@ -117,13 +118,17 @@ def serve_requests(
     rank: int,
     max_new_tokens: int,
     timers: PhaseTimers,
+    watchdog: Watchdog | None = None,
     progress_every_s: float = 2.0,
 ) -> RankReport:
     """Generate `max_new_tokens` for each of this rank's prompts (request id -> token ids).
 
     A request the target refuses (empty prompt, id outside the vocabulary) is reported with its
     error; the others still run. Every target rank calls this, an idle one with `prompts = {}`.
+    `watchdog`: told the step and phase (prefill, verify), so a peer that loses this rank names them.
     """
+    note = watchdog.progress if watchdog is not None else lambda step=None, phase=None: None
+    note(phase="prefill")
     outcomes: dict[int, RequestOutcome] = {}
     active: dict[int, _Active] = {}
     for rid, prompt in prompts.items():
@@ -150,6 +155,7 @@ def serve_requests(
             blocks_NB = torch.stack(
                 [torch.cat([torch.tensor([active[r].anchor]), drafted.drafts[r].cpu()]) for r in running]
             )
+            note(step, "verify")
             with timers.phase("verify"):
                 result = target.verify(running, blocks_NB)
             drafter.commit(result)
