@@ -55,6 +55,7 @@ class Beat(msgspec.Struct, frozen=True, array_like=True):
     state: str
     pid: int
     host: str
+    stacks_on_usr1: bool
     reason: str = ""
 
 
@@ -77,6 +78,8 @@ class Watchdog:
         hang_timeout_s: how long a running peer may go without a beat before it is named stalled.
         on_stall: called once, from the thread, with the one-line reason; None: log it.
         name: the key namespace, so watchdogs over different rank sets never mix.
+        stacks_on_usr1: this process prints its stacks on SIGUSR1 (the worker registers
+            faulthandler for it), so a peer on its host may send it one; elsewhere SIGUSR1 kills.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class Watchdog:
         hang_timeout_s: float,
         on_stall: Callable[[str], None] | None = None,
         name: str = "world",
+        stacks_on_usr1: bool = False,
     ):
         if rank not in ranks:
             raise ParallelError(f"watchdog: rank {rank} is not among the ranks it watches {list(ranks)}")
@@ -96,6 +100,7 @@ class Watchdog:
         self.hang_timeout_s = hang_timeout_s
         self.interval_s = min(1.0, hang_timeout_s / 10)
         self.on_stall = on_stall
+        self.stacks_on_usr1 = stacks_on_usr1
         self.step, self.phase = -1, "start"
         self._store = store.clone()
         # A store that stops answering must not freeze the thread past a beat or two.
@@ -113,14 +118,12 @@ class Watchdog:
         self._store_broken = False
 
     @classmethod
-    def start_for(
-        cls, group: dist.ProcessGroup, *, hang_timeout_s: float, on_stall: Callable[[str], None] | None = None,
-        name: str = "world",
-    ) -> Watchdog:  # fmt: skip
-        """A started watchdog over `group`'s ranks, through the default process group's store."""
+    def start_for(cls, group: dist.ProcessGroup, *, hang_timeout_s: float, **kwargs) -> Watchdog:
+        """A started watchdog over `group`'s ranks, through the default process group's store
+        (`kwargs`: on_stall, name, stacks_on_usr1)."""
         store = dist.distributed_c10d._get_default_store()
         wd = cls(store, dist.get_process_group_ranks(group), rank=dist.get_rank(), hang_timeout_s=hang_timeout_s,
-                 on_stall=on_stall, name=name)  # fmt: skip
+                 **kwargs)  # fmt: skip
         wd.start()
         return wd
 
@@ -165,10 +168,11 @@ class Watchdog:
     def _beat(self) -> None:
         if self._store is None or self._store_broken:
             return
-        self._count += 1
-        beat = Beat(self._count, self.step, self.phase, self._state, os.getpid(), self._host, self._reason)
         try:
             with self._store_lock:
+                self._count += 1
+                beat = Beat(self._count, self.step, self.phase, self._state, os.getpid(), self._host,
+                            self.stacks_on_usr1, self._reason)  # fmt: skip
                 self._store.set(self._key(self.rank), msgspec.msgpack.encode(beat))
         except RuntimeError as e:  # the store's host is gone: the collectives will say so
             self._store_broken = True
@@ -220,10 +224,17 @@ class Watchdog:
             self.on_stall(message)
 
     def _ask_stacks(self, beat: Beat) -> str:
-        """SIGUSR1 a peer on this host (its faulthandler prints every thread's stack); elsewhere say how."""
+        """SIGUSR1 a peer on this host (its faulthandler prints every thread's stack); elsewhere say how.
+
+        Then SIGCONT: a stopped rank (SIGSTOP, Ctrl-Z) handles neither the SIGUSR1 nor the
+        launcher's SIGTERM until it runs again, and would hold the teardown for its grace period.
+        """
+        if not beat.stacks_on_usr1:
+            return f"pid {beat.pid} on host {beat.host}"
         if beat.host == self._host:
             try:
                 os.kill(beat.pid, signal.SIGUSR1)
+                os.kill(beat.pid, signal.SIGCONT)
                 return f"sent SIGUSR1 to its pid {beat.pid} on this host to print its stacks"
             except OSError:
                 pass

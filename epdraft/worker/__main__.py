@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 dist.group.WORLD,
                 hang_timeout_s=pc.cluster.hang_timeout_s,
                 on_stall=lambda reason: _exit_stalled(args.failure_dir, reason),
+                stacks_on_usr1=True,
             )
             job = None
             if args.draft:
