@@ -247,13 +247,16 @@ class Watchdog:
         the peers whose heartbeat is gone (waiting up to a few beats for the living to beat), the
         peers already named stalled. Returns None when no peer is missing and `e` does not read
         as a communication failure (a plain bug: the caller re-raises it)."""
-        start = time.monotonic()
-        deadline = start + _LOST_WAIT_BEATS * self.interval_s + 0.5
+        deadline = time.monotonic() + (_LOST_WAIT_BEATS + 1) * self.interval_s + 0.5
+        with self._view_lock:
+            counts = {r: p.beat.count if p.beat is not None else 0 for r, p in self._peers.items()}
         while True:
+            # Alive: two beats past the failure (a dead peer's last beat may still be read once after it).
             with self._view_lock:
                 pending = [
                     r for r, p in self._peers.items()
-                    if p.moved_at <= start and not p.stalled and (p.beat is None or p.beat.state == RUNNING)
+                    if (p.beat.count if p.beat is not None else 0) < counts[r] + 2 and not p.stalled
+                    and (p.beat is None or p.beat.state == RUNNING)
                 ]  # fmt: skip
             if not pending or time.monotonic() >= deadline or not self._thread.is_alive():
                 break
