@@ -113,6 +113,7 @@ class Watchdog:
         self._view_lock = threading.Lock()
         now = time.monotonic()
         self._peers = {r: _Peer(now) for r in self.ranks if r != rank}
+        self._seen: set[int] = set()  # peers whose key exists
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"epdraft-watchdog-{rank}", daemon=True)
         self._store_broken = False
@@ -179,10 +180,12 @@ class Watchdog:
             log.warning("watchdog: the rendezvous store stopped answering (%s); heartbeats stop", e)
 
     def _read(self) -> dict[int, Beat]:
+        """Every peer's last beat, in one round trip once all have beaten (a missing key would block a get)."""
         with self._store_lock:
-            present = [r for r in self._peers if self._store.check([self._key(r)])]
-            values = self._store.multi_get([self._key(r) for r in present]) if present else []
-        return {r: msgspec.msgpack.decode(v, type=Beat) for r, v in zip(present, values)}
+            self._seen |= {r for r in self._peers if r not in self._seen and self._store.check([self._key(r)])}
+            ranks = sorted(self._seen)
+            values = self._store.multi_get([self._key(r) for r in ranks]) if ranks else []
+        return {r: msgspec.msgpack.decode(v, type=Beat) for r, v in zip(ranks, values)}
 
     def _watch(self) -> None:
         if self._store_broken:
