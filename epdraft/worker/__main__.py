@@ -57,6 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     job.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     job.add_argument("--no-lossless-check", action="store_true", help="skip the target-only greedy reference decode")
     job.add_argument("--json", dest="json_out", help="rank 0 writes the summary here as JSON")
+    job.add_argument("--show", type=int, default=0, help="rank 0 prints the first N requests' generated text")
     job.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                      help="target and draft weights' dtype (default: bfloat16 on CUDA, float32 on CPU)")
     args = parser.parse_args(argv)
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                     max_prompts=args.max_prompts,
                     check_lossless=not args.no_lossless_check,
                     json_out=args.json_out,
+                    show=args.show,
                     dtype=args.dtype,
                 )
             ok = run(pc, args.config, watchdog, job)

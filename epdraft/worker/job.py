@@ -26,7 +26,7 @@ from epdraft.runtime import DraftRuntime, PhaseTimers
 from epdraft.target.hf import HFTarget
 from epdraft.target.prompts import read_prompts
 from epdraft.worker.serve import LocalDrafter, assign_prompts, greedy_reference, serve_requests
-from epdraft.worker.summary import RankReport, format_summary, summarize
+from epdraft.worker.summary import RankReport, format_summary, generations, summarize
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class RunJob(msgspec.Struct, frozen=True, kw_only=True):
     """What `epdraft run` asks every rank to do.
 
     dtype: the target's and draft's weights; None = bfloat16 on CUDA (the fused expert kernels'
-    dtype), float32 on CPU.
+    dtype), float32 on CPU. show: rank 0 prints (and writes) the first `show` requests' generations.
     """
 
     draft: str
@@ -45,6 +45,7 @@ class RunJob(msgspec.Struct, frozen=True, kw_only=True):
     max_prompts: int = 0
     check_lossless: bool = True
     json_out: str | None = None
+    show: int = 0
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
 
 
@@ -167,6 +168,8 @@ def report_to_root(
         return True
     reports = select([msgspec.msgpack.decode(b, type=RankReport) for b in gathered])
     summary = summarize(reports, config=config_path, parallel_config=pc.to_dict())
+    if job.show:
+        summary.shown = generations(reports, job.show, tokenizer_dir=job.target)
     print(format_summary(summary), flush=True)
     if job.json_out:
         Path(job.json_out).write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
