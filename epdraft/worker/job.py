@@ -25,6 +25,7 @@ from epdraft.parallel.watchdog import Watchdog
 from epdraft.runtime import DraftRuntime, PhaseTimers
 from epdraft.target.hf import HFTarget
 from epdraft.target.prompts import read_prompts
+from epdraft.worker.progress import Progress
 from epdraft.worker.serve import LocalDrafter, assign_prompts, greedy_reference, serve_requests
 from epdraft.worker.summary import RankReport, format_summary, generations, summarize
 
@@ -90,12 +91,15 @@ def run_job(pc: ParallelConfig, config_path: str, groups: Groups | None, job: Ru
                       watchdog=watchdog)  # fmt: skip
     assert groups is not None, "a colocated rank always holds the draft"
     spec = setup.spec
+    display = Progress.for_rank(dist.get_rank())
+    display.phase("loading the target")
     watchdog.progress(phase="loading the target")
     target = HFTarget.from_pretrained(job.target, spec.target_layer_ids, dtype=setup.dtype, device=setup.device)
     check_against_target(
         spec, hidden_size=target.hidden_size, num_layers=target.num_layers, vocab_size=target.vocab_size
     )
     timers = PhaseTimers(setup.device)
+    display.phase("loading the draft")
     watchdog.progress(phase="loading the draft")
     runtime = DraftRuntime.from_config(
         pc, job.draft, target, groups=groups, spec=spec, dtype=setup.dtype, device=setup.device, num_extras=2,
@@ -113,13 +117,15 @@ def run_job(pc: ParallelConfig, config_path: str, groups: Groups | None, job: Ru
             max_new_tokens=job.max_new_tokens,
             timers=timers,
             watchdog=watchdog,
+            display=display,
+            total_tokens=len(prompts) * job.max_new_tokens,
         )
         report.layout = runtime.layout.label
     finally:
         runtime.close()
     root = dist.get_process_group_ranks(groups.cpu)[0]
     return finish(report, target, job, pc, config_path, setup.prompts, group=groups.cpu, root=root,
-                  watchdog=watchdog)  # fmt: skip
+                  watchdog=watchdog, display=display)  # fmt: skip
 
 
 def finish(
@@ -134,13 +140,18 @@ def finish(
     root: int,
     select: Callable[[list[RankReport]], list[RankReport]] = lambda reports: reports,
     watchdog: Watchdog,
+    display: Progress | None = None,
 ) -> bool:
     """Attach the target's own greedy decodes (on ranks holding the target), then report to `root`."""
+    display = display if display is not None else Progress(None)
     watchdog.progress(phase="lossless check")
     if target is not None and job.check_lossless:
-        for o in report.requests:
-            if o.error is None:
-                o.reference_tokens = greedy_reference(target.model, prompts[o.request_id], job.max_new_tokens)
+        checked = [o for o in report.requests if o.error is None]
+        display.phase("lossless check (this rank's requests)", len(checked), "requests")
+        for n, o in enumerate(checked):
+            o.reference_tokens = greedy_reference(target.model, prompts[o.request_id], job.max_new_tokens)
+            display.update(n + 1)
+    display.close()
     watchdog.progress(phase="reporting to rank 0")
     return report_to_root(report, job, pc, config_path, group=group, root=root, select=select)
 
