@@ -38,7 +38,7 @@ from typing import IO, Callable, Sequence
 from epdraft.config.parallel import ParallelConfig, load_parallel_config
 from epdraft.errors import ConfigError, Interrupted, RankFailed
 from epdraft.parallel.address import is_loopback
-from epdraft.parallel.failure import any_failure, read_failures
+from epdraft.parallel.failure import any_failure, read_failures, read_progress
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,9 @@ def _raise_rank_failure(watcher: _StderrWatcher, node: int, nproc_per_node: int)
         rank = cause["rank"].split()[0]
         pid = re.search(r"pid: (\d+)", exitcode)
         why = cause.get("traceback") or f"exit code {exitcode}"
-        raise RankFailed(f"rank {rank} (node {node}{f', pid {pid.group(1)}' if pid else ''}) died: {why}", 1)
+        last = watcher.progress.get(int(rank)) if rank.isdigit() else None
+        at = f" at {last.where} (its last heartbeat)" if last is not None else ""
+        raise RankFailed(f"rank {rank} (node {node}{f', pid {pid.group(1)}' if pid else ''}) died{at}: {why}", 1)
     if watcher.failures:
         raise RankFailed(watcher.failures[0].message, watcher.failures[0].exit_code)
 
@@ -228,6 +230,7 @@ class _StderrWatcher(threading.Thread):
         # tracebacks of the signal (~90 lines), not news.
         self.muted = False
         self.failures: list = []  # the ranks' RankFailures, earliest first, once the run is over
+        self.progress: dict = {}  # every rank's last RankProgress, once the run is over
         self.root_cause: dict[str, str] = {}
         self._torchrun_report = False
         self._in_root_cause = False
@@ -309,9 +312,9 @@ def _run_all_reporting(
             watcher.join(timeout=5)
     if interrupted:
         raise Interrupted(interrupted[0])
-    failures = read_failures(failure_dir)
+    failures, progress = read_failures(failure_dir), read_progress(failure_dir)
     for watcher in watchers:
-        watcher.failures = failures
+        watcher.failures, watcher.progress = failures, progress
     # A negative code means torchrun died of a signal; report it the way a shell would.
     return [(128 - code if code < 0 else code, watcher) for code, watcher in zip(codes, watchers)], first_failed
 

@@ -80,6 +80,8 @@ class Watchdog:
         name: the key namespace, so watchdogs over different rank sets never mix.
         stacks_on_usr1: this process prints its stacks on SIGUSR1 (the worker registers
             faulthandler for it), so a peer on its host may send it one; elsewhere SIGUSR1 kills.
+        on_progress: called from the thread with (step, phase) when they changed since its last
+            beat (the worker keeps them in the launcher's folder).
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class Watchdog:
         on_stall: Callable[[str], None] | None = None,
         name: str = "world",
         stacks_on_usr1: bool = False,
+        on_progress: Callable[[int, str], None] | None = None,
     ):
         if rank not in ranks:
             raise ParallelError(f"watchdog: rank {rank} is not among the ranks it watches {list(ranks)}")
@@ -101,6 +104,8 @@ class Watchdog:
         self.interval_s = min(1.0, hang_timeout_s / 10)
         self.on_stall = on_stall
         self.stacks_on_usr1 = stacks_on_usr1
+        self.on_progress = on_progress
+        self._reported: tuple[int, str] | None = None
         self.step, self.phase = -1, "start"
         self._store = store.clone()
         # A store that stops answering must not freeze the thread past a beat or two.
@@ -162,6 +167,13 @@ class Watchdog:
         while not self._stop.wait(self.interval_s):
             self._beat()
             self._watch()
+            if self.on_progress is not None and (now := (self.step, self.phase)) != self._reported:
+                self._reported = now
+                try:
+                    self.on_progress(*now)
+                except OSError as e:  # a full or vanished folder costs the launcher a detail, not the run
+                    log.warning("watchdog: progress not recorded: %s", e)
+                    self.on_progress = None
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}{rank}"

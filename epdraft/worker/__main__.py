@@ -32,7 +32,7 @@ from epdraft.config.parallel import ParallelConfig, load_parallel_config
 from epdraft.errors import EpdraftError, NonFiniteError, ParallelError
 from epdraft.parallel.groups import Groups, layout_table, resolve_backend
 from epdraft.parallel.health import check_all_reduce, health_check
-from epdraft.parallel.failure import write_failure
+from epdraft.parallel.failure import write_failure, write_progress
 from epdraft.parallel.log import info_rank0, setup_logging
 from epdraft.parallel.watchdog import Watchdog
 from epdraft.parallel.world import join_world, leave_world
@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                 hang_timeout_s=pc.cluster.hang_timeout_s,
                 on_stall=lambda reason: _exit_stalled(args.failure_dir, reason),
                 stacks_on_usr1=True,
+                on_progress=(lambda step, phase: write_progress(args.failure_dir, dist.get_rank(), step, phase))
+                if args.failure_dir else None,
             )
             job = None
             if args.draft:

@@ -62,7 +62,8 @@ def test_a_stopped_rank_is_named_within_hang_timeout_and_nothing_is_left():
     last = _one_line(err, "epdraft run: rank 1 stalled: no heartbeat for ")
     assert f"(cluster.hang_timeout_s = {HANG_S}; noticed by rank 0 at step 3, phase step sync)" in last, err
     assert "sent SIGUSR1 to its pid" in last, err
-    assert 'sitecustomize.py", line ' in err, "the stalled rank's stack dump passes the mute: " + err
+    # Its stacks print when the SIGCONT after the SIGUSR1 lets it run (where it is by then varies).
+    assert "(most recent call first):" in err, "the stalled rank's stack dump passes the mute: " + err
     assert after_s <= HANG_S + 10, err
 
 
@@ -71,5 +72,5 @@ def test_a_killed_rank_is_named_and_nothing_is_left():
     code, err, after_s = _run_with_fault("1:3:SIGKILL")
     assert code == 1, err
     last = _one_line(err, "epdraft run: rank 1 (node 0, pid ")
-    assert ") died: Signal 9 (SIGKILL) received by PID " in last, err
+    assert ") died at " in last and " (its last heartbeat): Signal 9 (SIGKILL) received by PID " in last, err
     assert after_s <= 10, err

@@ -21,6 +21,7 @@ from epdraft.cli import main as cli_main
 from epdraft.config.parallel import load_parallel_config
 from epdraft.errors import ConfigError, Interrupted, RankFailed
 from epdraft.launch import torchrun_command
+from epdraft.parallel.failure import RankProgress
 from tests.harness import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -332,4 +333,8 @@ def test_torchruns_record_of_a_killed_rank_names_it():
     watcher = launch._StderrWatcher(stream)
     watcher.run()
     with pytest.raises(RankFailed, match=r"^rank 1 \(node 0, pid 489\) died: Signal 9 \(SIGKILL\) received by PID 489$"):
+        launch._raise_rank_failure(watcher, 0, 2)
+    watcher.progress = {1: RankProgress(rank=1, step=3, phase="verify")}  # what its heartbeat last wrote
+    with pytest.raises(RankFailed, match=r"^rank 1 \(node 0, pid 489\) died at step 3, phase verify \(its last "
+                                         r"heartbeat\): Signal 9 \(SIGKILL\) received by PID 489$"):
         launch._raise_rank_failure(watcher, 0, 2)
