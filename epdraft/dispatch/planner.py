@@ -265,10 +265,12 @@ def main(args: argparse.Namespace) -> int:
 
 def disagreement(asked: str, dp_padding: str, choice: PlanChoice) -> str:
     """Why the estimates favour another layout than the config's `asked`: the two side by side."""
-    mine = next((e for e in choice.estimates if e.layout == asked and (asked != "gather" or e.dp_padding == dp_padding)),
-                None)  # fmt: skip
-    best = next(e for e in choice.estimates if e.layout == choice.layout and
-                (choice.layout != "gather" or e.dp_padding == choice.dp_padding))  # fmt: skip
+
+    def matches(e: LayoutEstimate, layout: str, padding: str) -> bool:
+        return e.layout == layout and (layout != "gather" or e.dp_padding == padding)
+
+    mine = next((e for e in choice.estimates if matches(e, asked, dp_padding)), None)
+    best = next(e for e in choice.estimates if matches(e, choice.layout, choice.dp_padding))
     head = f"note: the config asks for {asked!r}; the estimates favour {choice.layout!r}"
     if mine is None:
         return f"{head} ({asked!r} was not estimated for this config)"

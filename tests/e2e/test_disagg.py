@@ -98,7 +98,8 @@ def test_killed_draft_rank_fails_every_rank_naming_it(tmp_path):
     # One line names it: node 1's torchrun, whose rank it was, usually fails first (its record of
     # the SIGKILL), else the target rank paired with it wrote why it failed first.
     last = log.strip().splitlines()[-1]
-    assert last.startswith(("epdraft run: rank 3 (node 1, pid ", "epdraft run: draft rank 3 stopped answering at step 5")), log
+    named = ("epdraft run: rank 3 (node 1, pid ", "epdraft run: draft rank 3 stopped answering at step 5")
+    assert last.startswith(named), log
     assert "ChildFailedError" not in log, log
     assert _processes_with(marker) == [], log
 

@@ -30,7 +30,8 @@ def _run_with_fault(fault: str) -> tuple[int, str, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", SIGNAL_AT_STEP_ENV: fault, "EPDRAFT_TEST_MARKER": marker,
            "PYTHONPATH": pythonpath}  # fmt: skip
     cmd = [sys.executable, "-m", "epdraft.cli", "run", "--max-prompts", "4", "--max-new-tokens", "16",
-           "--no-lossless-check", "--set", f"cluster.hang_timeout_s={HANG_S}", "--master-port", str(free_port())]  # fmt: skip
+           "--no-lossless-check", "--set", f"cluster.hang_timeout_s={HANG_S}",
+           "--master-port", str(free_port())]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     signalled_at, lines = None, []
     for line in proc.stderr:
