@@ -83,10 +83,10 @@ def init_distributed(pc: ParallelConfig) -> None:
     join_world(backend, timeout=datetime.timedelta(seconds=pc.cluster.timeout_s), device_id=device_id)
 
 
-def run(pc: ParallelConfig, config_path: str, watchdog: Watchdog, job: RunJob | None = None) -> bool:
+def run(pc: ParallelConfig, config_path: str, watchdog: Watchdog, job: RunJob | None = None) -> str | None:
     """Everything between init and teardown: groups, layout, health check, then the job if any.
 
-    Returns False when the job's lossless check failed.
+    Returns why the job failed although every rank finished (rank 0: lossless check, no tokens), else None.
     """
     watchdog.progress(phase="groups and health check")
     info_rank0(log, None, "parallel config %s: %s", config_path, json.dumps(pc.to_dict()))
@@ -104,7 +104,7 @@ def run(pc: ParallelConfig, config_path: str, watchdog: Watchdog, job: RunJob | 
         health_check(groups)
     info_rank0(log, None, "health check passed on %d ranks", dist.get_world_size())
     if job is None:
-        return True
+        return None
     return run_job(pc, config_path, groups, job, watchdog)
 
 
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                     show=args.show,
                     dtype=args.dtype,
                 )
-            ok = run(pc, args.config, watchdog, job)
+            failed = run(pc, args.config, watchdog, job)
         except BaseException as e:
             code, reason = _failure(e, watchdog)
             if watchdog is not None:
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             leave_world()
     except EpdraftError as e:  # before the world exists: the config, init
         return _fail(args.failure_dir, 1 if isinstance(e, ParallelError) else 2, str(e))
-    return 0 if ok else 1
+    return 0 if failed is None else _fail(args.failure_dir, 1, failed)
 
 
 def _failure(e: BaseException, watchdog: Watchdog | None) -> tuple[int | None, str]:

@@ -73,12 +73,15 @@ def rank_setup(pc: ParallelConfig, job: RunJob) -> RankSetup:
     )
 
 
-def run_job(pc: ParallelConfig, config_path: str, groups: Groups | None, job: RunJob, watchdog: Watchdog) -> bool:
+def run_job(
+    pc: ParallelConfig, config_path: str, groups: Groups | None, job: RunJob, watchdog: Watchdog
+) -> str | None:
     """Serve the job's prompts; rank 0 prints (and writes) the summary.
 
     `groups` is None exactly on a rank that holds no draft (a disaggregated target rank).
     `watchdog`: this rank's, told each phase (a stalled peer is named with its last one).
-    Returns False when the lossless check failed (rank 0), True otherwise.
+    Returns, on rank 0, why the run failed although every rank finished (the lossless check, no
+    token generated); None otherwise.
     """
     watchdog.progress(phase="reading the draft config and prompts")
     setup = rank_setup(pc, job)
@@ -141,7 +144,7 @@ def finish(
     select: Callable[[list[RankReport]], list[RankReport]] = lambda reports: reports,
     watchdog: Watchdog,
     display: Progress | None = None,
-) -> bool:
+) -> str | None:
     """Attach the target's own greedy decodes (on ranks holding the target), then report to `root`."""
     display = display if display is not None else Progress(None)
     watchdog.progress(phase="lossless check")
@@ -165,18 +168,18 @@ def report_to_root(
     group: dist.ProcessGroup | None,
     root: int,
     select: Callable[[list[RankReport]], list[RankReport]],
-) -> bool:
+) -> str | None:
     """Gather every rank's report on `root` (a global rank of `group`), which prints the summary
     (and writes it as JSON when asked); `select` picks and merges the reports that make it.
 
-    Returns False on the root when the lossless check failed or nothing was generated (every
-    request refused is no success), True otherwise.
+    Returns, on the root, why the run failed: the lossless check, or nothing generated (every
+    request refused is no success); None otherwise.
     """
     is_root = dist.get_rank() == root
     gathered: list[bytes | None] | None = [None] * dist.get_world_size(group) if is_root else None
     dist.gather_object(msgspec.msgpack.encode(report), gathered, dst=root, group=group)
     if not is_root:
-        return True
+        return None
     reports = select([msgspec.msgpack.decode(b, type=RankReport) for b in gathered])
     summary = summarize(reports, config=config_path, parallel_config=pc.to_dict())
     if job.show:
@@ -184,4 +187,8 @@ def report_to_root(
     print(format_summary(summary), flush=True)
     if job.json_out:
         Path(job.json_out).write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
-    return summary.lossless is not False and summary.generated_tokens > 0
+    if summary.lossless is False:
+        return f"lossless check failed: {summary.first_mismatch} from the target's own greedy decode"
+    if summary.generated_tokens == 0:
+        return f"nothing was generated: {len(summary.failed_requests)} of {summary.requests} requests were refused"
+    return None

@@ -55,7 +55,7 @@ def _counted_job(rank: int, world: int, layout: str) -> dict:
     ):
         watchdog = Watchdog.start_for(dist.group.WORLD, hang_timeout_s=pc.cluster.hang_timeout_s)
         try:
-            assert run_job(pc, "local-cpu-2.toml", groups, job, watchdog)
+            assert run_job(pc, "local-cpu-2.toml", groups, job, watchdog) is None
         finally:
             watchdog.stop()
     return reads
