@@ -214,6 +214,10 @@ def _raise_rank_failure(watcher: _StderrWatcher, node: int, nproc_per_node: int)
         raise RankFailed(f"rank {rank} (node {node}{f', pid {pid.group(1)}' if pid else ''}) died{at}: {why}", 1)
     if watcher.failures:
         raise RankFailed(watcher.failures[0].message, watcher.failures[0].exit_code)
+    if "rank" in cause and (code := re.match(r"(\d+)", exitcode)):
+        # It exited without writing why (before it could: its command line, an exit of its own).
+        raise RankFailed(f"rank {cause['rank'].split()[0]} (node {node}) exited with code {code.group(1)}; "
+                         "its log above says why", int(code.group(1)))  # fmt: skip
 
 
 class _StderrWatcher(threading.Thread):

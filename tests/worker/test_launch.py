@@ -334,6 +334,11 @@ def test_torchruns_record_of_a_killed_rank_names_it():
     watcher.run()
     with pytest.raises(RankFailed, match=r"^rank 1 \(node 0, pid 489\) died: Signal 9 \(SIGKILL\) received by PID 489$"):
         launch._raise_rank_failure(watcher, 0, 2)
+    exited = launch._StderrWatcher(io.StringIO("Root Cause (first observed failure):\n[0]:\n  rank      : 3 "
+                                               "(local_rank: 1)\n  exitcode  : 2 (pid: 77)\n"))  # fmt: skip
+    exited.run()
+    with pytest.raises(RankFailed, match=r"^rank 3 \(node 1\) exited with code 2; its log above says why$"):
+        launch._raise_rank_failure(exited, 1, 2)
     watcher.progress = {1: RankProgress(rank=1, step=3, phase="verify")}  # what its heartbeat last wrote
     with pytest.raises(RankFailed, match=r"^rank 1 \(node 0, pid 489\) died at step 3, phase verify \(its last "
                                          r"heartbeat\): Signal 9 \(SIGKILL\) received by PID 489$"):
