@@ -11,7 +11,7 @@ import importlib
 import logging
 import sys
 
-from epdraft.errors import EpdraftError, Interrupted
+from epdraft.errors import EpdraftError, Interrupted, RankFailed
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         print(f"epdraft {args.command}: {e}", file=sys.stderr)
         return 128 + e.signum
+    except RankFailed as e:  # a rank's own one-line reason, printed once for all ranks
+        print(f"epdraft {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:  # Ctrl-C before any rank started (while checking inputs)
         print(f"epdraft {args.command}: interrupted by SIGINT", file=sys.stderr)
         return 130

@@ -20,11 +20,18 @@ class LoadError(EpdraftError):
 
 
 class ParallelError(EpdraftError):
-    """A process-group, backend or hardware problem found while building or running a layout."""
+    """A process-group, backend or hardware problem found while building or running a layout.
+
+    Raised by a running rank it is a fault, not bad input: the rank exits 1.
+    """
 
 
 class StepMismatch(ParallelError):
     """Ranks disagree on the step id: they are no longer in lockstep."""
+
+
+class NonFiniteError(EpdraftError):
+    """A draft's hidden states went NaN or inf during a run (names the rank, step and layer)."""
 
 
 class RequestError(EpdraftError):
@@ -40,3 +47,14 @@ class Interrupted(EpdraftError):
     def __init__(self, signum: int):
         self.signum = signum
         super().__init__(f"interrupted by {signal.Signals(signum).name}: every rank stopped")
+
+
+class RankFailed(EpdraftError):
+    """A rank of a launched command failed; the message is its one-line reason, as the rank wrote it.
+
+    `exit_code`: 2 when the rank refused its input, 1 for a fault (a lost or stalled peer, a bug).
+    """
+
+    def __init__(self, message: str, exit_code: int):
+        self.exit_code = exit_code
+        super().__init__(message)

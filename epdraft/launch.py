@@ -8,6 +8,12 @@ One node uses torchrun's `--standalone` rendezvous; several use the static rende
 `--master-addr:--master-port` (node 0 hosts it), bounded by `cluster.timeout_s`, so a node that never
 starts makes the others exit non-zero naming what did not join. torchrun runs in its own process
 group, which is killed when the launcher exits: no worker outlives it.
+
+One failure, one message: the workers get a folder (`--failure-dir`) where a failing rank writes its
+one-line reason (`epdraft.parallel.failure`). From the first reason on, what the ranks and
+torchrun print is muted (its `ChildFailedError` traceback too; a rank's stack dump passes), and
+the command ends with that reason once (`RankFailed`: exit 2 for refused input, 1 for a fault).
+A rank killed before it could write one is named from torchrun's own record of the root cause.
 """
 
 from __future__ import annotations
@@ -20,22 +26,33 @@ import re
 import shlex
 import signal
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
 from epdraft.config.parallel import ParallelConfig, load_parallel_config
-from epdraft.errors import ConfigError, Interrupted
+from epdraft.errors import ConfigError, Interrupted, RankFailed
 from epdraft.parallel.address import is_loopback
+from epdraft.parallel.failure import any_failure, read_failures, read_progress
 
 log = logging.getLogger(__name__)
 
 # What torch 2.x's static rendezvous prints when it gives up, on node 0 and on the other nodes.
 _NODES_JOINED = re.compile(r"(\d+)/(\d+) clients joined")
 _MASTER_UNREACHABLE = re.compile(r"timed out .* while trying to connect to")
+# torchrun's own report of a failed worker (its `failed (exitcode: ...)` line starts it), and the
+# closing signals it sends the other workers: muted, the launcher says it in one line instead.
+_TORCHRUN_FAILED = re.compile(r"\] failed \(exitcode: -?\d+\) local_rank: \d+ \(pid: \d+\)")
+_TORCHRUN_CLOSING = re.compile(r"\] Sending process \d+ closing signal SIG")
+_ROOT_CAUSE = re.compile(r"^Root Cause \(first observed failure\):")
+_ROOT_FIELD = re.compile(r"^\s+(rank|exitcode|traceback)\s*:\s*(.*?)\s*$")
+# faulthandler's dump of a rank's threads (`File "x", line N in f`, no comma): passes a mute.
+_STACK_LINE = re.compile(r'^(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):|^  File ".*", line \d+ in ')
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _STOP_GRACE_S = 30.0
 _POLL_S = 0.1
@@ -147,8 +164,10 @@ def run_torchrun(cmd: list[str], pc: ParallelConfig, args: argparse.Namespace) -
     `args` carries the launch flags the explanation quotes: config, node_rank, master_addr, master_port.
     """
     log.info("node %d of %d: %s", args.node_rank, pc.cluster.nnodes, shlex.join(cmd))
-    returncode, watcher = _run(cmd)
+    results, _ = _run_all([cmd])
+    returncode, watcher = results[0]
     if returncode != 0:
+        _raise_rank_failure(watcher, args.node_rank, pc.cluster.nproc_per_node)
         log.error("%s", _explain_failure(returncode, watcher, pc, args))
     return returncode
 
@@ -167,6 +186,7 @@ def run_local_nodes(cmds: Sequence[list[str]], pc: ParallelConfig, args: argpars
     if first_failed is None:
         return 0
     code, watcher = results[first_failed]
+    _raise_rank_failure(watcher, first_failed, pc.cluster.nproc_per_node)
     node_args = argparse.Namespace(**{**vars(args), "node_rank": first_failed})
     log.error("%s", _explain_failure(code, watcher, pc, node_args))
     stopped = [node for node, (c, _) in enumerate(results) if node != first_failed and c != 0]
@@ -176,21 +196,56 @@ def run_local_nodes(cmds: Sequence[list[str]], pc: ParallelConfig, args: argpars
     return code
 
 
-class _StderrWatcher(threading.Thread):
-    """Forwards torchrun's stderr line by line and remembers the rendezvous-timeout lines."""
+def _raise_rank_failure(watcher: _StderrWatcher, node: int, nproc_per_node: int) -> None:
+    """Raise RankFailed with the reason of the node that failed first: the first one its own ranks
+    wrote, else torchrun's root cause when a rank died of a signal before it could write one, else
+    the first reason of any node (a rank there lost one of this node's); return when none is known."""
+    own = [f for f in watcher.failures if f.rank // nproc_per_node == node]
+    if own:
+        raise RankFailed(own[0].message, own[0].exit_code)
+    cause = watcher.root_cause
+    exitcode = cause.get("exitcode", "")
+    if "rank" in cause and exitcode.startswith("-"):
+        rank = cause["rank"].split()[0]
+        pid = re.search(r"pid: (\d+)", exitcode)
+        why = cause.get("traceback") or f"exit code {exitcode}"
+        last = watcher.progress.get(int(rank)) if rank.isdigit() else None
+        at = f" at {last.where} (its last heartbeat)" if last is not None else ""
+        raise RankFailed(f"rank {rank} (node {node}{f', pid {pid.group(1)}' if pid else ''}) died{at}: {why}", 1)
+    if watcher.failures:
+        raise RankFailed(watcher.failures[0].message, watcher.failures[0].exit_code)
+    if "rank" in cause and (code := re.match(r"(\d+)", exitcode)):
+        # It exited without writing why (before it could: its command line, an exit of its own).
+        raise RankFailed(f"rank {cause['rank'].split()[0]} (node {node}) exited with code {code.group(1)}; "
+                         "its log above says why", int(code.group(1)))  # fmt: skip
 
-    def __init__(self, stream: IO[str]):
+
+class _StderrWatcher(threading.Thread):
+    """Forwards torchrun's stderr line by line and remembers the rendezvous-timeout lines and
+    torchrun's root cause; mutes from the first rank failure in `failure_dir` on."""
+
+    def __init__(self, stream: IO[str], failure_dir: str | None = None):
         super().__init__(daemon=True)
         self.stream = stream
+        self.failure_dir = failure_dir
         self.nodes_joined: tuple[int, int] | None = None
         self.master_unreachable = False
         # Set once the user interrupts: what torchrun and the ranks print while stopping is their
         # tracebacks of the signal (~90 lines), not news.
         self.muted = False
+        self.failures: list = []  # the ranks' RankFailures, earliest first, once the run is over
+        self.progress: dict = {}  # every rank's last RankProgress, once the run is over
+        self.root_cause: dict[str, str] = {}
+        self._torchrun_report = False
+        self._in_root_cause = False
 
     def run(self) -> None:
         for line in self.stream:
-            if not self.muted:
+            self._read_torchrun(line)
+            if not self.muted and self.failure_dir and any_failure(self.failure_dir):
+                self.muted = True  # a rank said why it failed: the launcher prints that, once
+            quiet = self._torchrun_report or _TORCHRUN_CLOSING.search(line)
+            if not quiet and (not self.muted or _STACK_LINE.search(line)):
                 sys.stderr.write(line)
             if m := _NODES_JOINED.search(line):
                 self.nodes_joined = int(m.group(1)), int(m.group(2))
@@ -198,24 +253,42 @@ class _StderrWatcher(threading.Thread):
                 self.master_unreachable = True
         sys.stderr.flush()
 
-
-def _run(cmd: list[str]) -> tuple[int, _StderrWatcher]:
-    """Run `cmd` in its own process group, stopping it on SIGINT/SIGTERM/SIGHUP; leave no process of it behind."""
-    return _run_all([cmd])[0][0]
+    def _read_torchrun(self, line: str) -> None:
+        if _TORCHRUN_FAILED.search(line):
+            self._torchrun_report = True
+        if _ROOT_CAUSE.search(line):
+            self._in_root_cause = True
+        elif self._in_root_cause and (m := _ROOT_FIELD.match(line)):
+            self.root_cause.setdefault(m.group(1), m.group(2))
 
 
 def _run_all(cmds: Sequence[list[str]]) -> tuple[list[tuple[int, _StderrWatcher]], int | None]:
     """Run every command at once, each in its own process group; the first to fail stops the others.
     SIGINT, SIGTERM or SIGHUP stops them all. Leave no process of any of them behind.
 
+    Each command gets `--failure-dir DIR` appended (a worker flag: every command is a torchrun of
+    `epdraft.worker`), a folder shared by all and removed at the end; each watcher holds the
+    failures the ranks wrote there.
+
     Returns each command's (exit code, watcher) and the index of the first to fail (None when all
     succeeded). Raises Interrupted, once every process is gone, when a signal stopped them.
     """
+    failure_dir = tempfile.mkdtemp(prefix="epdraft-failures-")
+    try:
+        return _run_all_reporting(cmds, failure_dir)
+    finally:
+        shutil.rmtree(failure_dir, ignore_errors=True)
+
+
+def _run_all_reporting(
+    cmds: Sequence[list[str]], failure_dir: str
+) -> tuple[list[tuple[int, _StderrWatcher]], int | None]:
     procs = [
-        subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+        subprocess.Popen([*cmd, "--failure-dir", failure_dir], stderr=subprocess.PIPE, text=True, errors="replace",
+                         start_new_session=True)  # fmt: skip
         for cmd in cmds
     ]
-    watchers = [_StderrWatcher(proc.stderr) for proc in procs]
+    watchers = [_StderrWatcher(proc.stderr, failure_dir) for proc in procs]
     for watcher in watchers:
         watcher.start()
     interrupted: list[int] = []
@@ -243,6 +316,9 @@ def _run_all(cmds: Sequence[list[str]]) -> tuple[list[tuple[int, _StderrWatcher]
             watcher.join(timeout=5)
     if interrupted:
         raise Interrupted(interrupted[0])
+    failures, progress = read_failures(failure_dir), read_progress(failure_dir)
+    for watcher in watchers:
+        watcher.failures, watcher.progress = failures, progress
     # A negative code means torchrun died of a signal; report it the way a shell would.
     return [(128 - code if code < 0 else code, watcher) for code, watcher in zip(codes, watchers)], first_failed
 

@@ -83,6 +83,8 @@ def check_run_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: expected an integer >= 1")
     if args.max_prompts < 0:
         raise ConfigError(f"--max-prompts {args.max_prompts}: expected an integer >= 0 (0 = every prompt)")
+    if args.show < 0:
+        raise ConfigError(f"--show {args.show}: expected an integer >= 0 (requests whose text is printed)")
     if args.json:
         out = Path(args.json)
         folder = out.resolve().parent

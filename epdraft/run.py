@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (default all)")
     parser.add_argument("--no-lossless-check", action="store_true", help="skip the target-only reference decode")
     parser.add_argument("--json", help="also write the summary as JSON to this path")
+    parser.add_argument("--show", type=int, default=0, metavar="N",
+                        help="print the first N requests' generated text (token ids when the target has no "
+                        "tokenizer); also in --json")  # fmt: skip
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="the draft's weights (default: bfloat16 on CUDA, where the fused expert kernels run, "
                              "float32 on CPU)")
@@ -80,6 +83,8 @@ def main(args: argparse.Namespace) -> int:
         worker_args.append("--no-lossless-check")
     if args.json:
         worker_args += ["--json", str(Path(args.json).resolve())]
+    if args.show:
+        worker_args += ["--show", str(args.show)]
     local_nodes = args.node_rank is None and pc.cluster.nnodes > 1 and is_loopback(args.master_addr)
     node_ranks = range(pc.cluster.nnodes) if local_nodes else [args.node_rank or 0]
     cmds = [

@@ -192,6 +192,9 @@ RUN_CASES = [
     ("max-new-tokens-0", lambda p: ["--max-new-tokens", "0"], "--max-new-tokens 0: expected an integer >= 1"),
     ("max-new-tokens-negative", lambda p: ["--max-new-tokens", "-4"], "--max-new-tokens -4: expected an integer >= 1"),
     ("max-prompts-negative", lambda p: ["--max-prompts", "-1"], "--max-prompts -1: expected an integer >= 0"),
+    ("show-negative", lambda p: ["--show", "-2"], "--show -2: expected an integer >= 0"),
+    ("hang-timeout-over-timeout", lambda p: ["--set", "cluster.hang_timeout_s=90"],
+     "cluster.hang_timeout_s = 90: expected seconds in [2, cluster.timeout_s = 60)"),
     ("json-missing-folder", _json_into_missing_folder, "/missing does not exist"),
     ("json-is-a-directory", _json_is_dir, "is a directory, expected a file path"),
     ("log-level", lambda p: [], None),  # built specially below

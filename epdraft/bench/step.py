@@ -180,7 +180,9 @@ def main(args: argparse.Namespace) -> int:
                 kernels = _kernels(lambda: draft.propose_pooled(pool, slots, anchors, heads, plan))
                 slot_list, anchor_list = slots.tolist(), anchors.tolist()
                 graph = _time_ms(lambda: graphs.run(slot_list, anchor_list, plan), args.steps, args.warmup)
-                same = torch.equal(graphs.run(slot_list, anchor_list, plan), draft.propose_pooled(pool, slots, anchors, heads, plan))
+                same = torch.equal(
+                    graphs.run(slot_list, anchor_list, plan)[0], draft.propose_pooled(pool, slots, anchors, heads, plan)[0]
+                )
                 cache = None
                 if not args.no_cache_path:
                     caches = _caches_from_pool(draft, pool, n, context)

@@ -40,6 +40,10 @@ FIXED_BUFFER_A2A_BACKENDS = ("deepep", "mooncake")
 # would never be reported. `inf` would also overflow the timedelta every rank builds from it.
 MIN_TIMEOUT_S = 1.0
 MAX_TIMEOUT_S = 86400.0
+# A rank's heartbeat thread beats every hang_timeout_s / 10 (at most once a second): below 2 s a
+# loaded host's scheduler alone could miss the bound.
+MIN_HANG_TIMEOUT_S = 2.0
+DEFAULT_HANG_TIMEOUT_S = 20.0
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -52,6 +56,14 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     timeout_s: Annotated[
         float, msgspec.Meta(gt=0, description="bound on rendezvous, process-group init and every collective")
     ] = 600.0
+    hang_timeout_s: Annotated[
+        float,
+        msgspec.Meta(
+            gt=0,
+            description="a rank without a heartbeat this long is named as stalled and every other rank exits; "
+            "below timeout_s",
+        ),
+    ] = DEFAULT_HANG_TIMEOUT_S
 
     @property
     def world_size(self) -> int:
@@ -191,6 +203,12 @@ def _check_cluster(pc: ParallelConfig) -> None:
         raise ConfigError(
             f"cluster.timeout_s = {c.timeout_s:g}: expected seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] "
             "(it bounds the rendezvous, process-group init and every collective)"
+        )
+    if not MIN_HANG_TIMEOUT_S <= c.hang_timeout_s < c.timeout_s:
+        raise ConfigError(
+            f"cluster.hang_timeout_s = {c.hang_timeout_s:g}: expected seconds in [{MIN_HANG_TIMEOUT_S:g}, "
+            f"cluster.timeout_s = {c.timeout_s:g}) (a stalled rank must be named before the collectives waiting "
+            f"on it time out), e.g. --set cluster.hang_timeout_s={max(MIN_HANG_TIMEOUT_S, c.timeout_s / 4):g}"
         )
     if c.device == "cpu" and c.backend == "nccl":
         raise ConfigError("cluster.backend = 'nccl' needs CUDA but cluster.device = 'cpu'; use 'gloo' or 'auto'")

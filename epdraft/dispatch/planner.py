@@ -259,5 +259,28 @@ def main(args: argparse.Namespace) -> int:
     print(f"choice: {choice.layout}" + (f", dp_padding = {choice.dp_padding}" if choice.layout == "gather" else ""))
     print(f"why: {choice.reason}")
     if d.moe_layout not in ("auto", choice.layout):
-        print(f"note: the config asks for {d.moe_layout!r}; the estimates favour {choice.layout!r}")
+        print(disagreement(d.moe_layout, d.dp_padding, choice))
     return 0
+
+
+def disagreement(asked: str, dp_padding: str, choice: PlanChoice) -> str:
+    """Why the estimates favour another layout than the config's `asked`: the two side by side."""
+
+    def matches(e: LayoutEstimate, layout: str, padding: str) -> bool:
+        return e.layout == layout and (layout != "gather" or e.dp_padding == padding)
+
+    mine = next((e for e in choice.estimates if matches(e, asked, dp_padding)), None)
+    best = next(e for e in choice.estimates if matches(e, choice.layout, choice.dp_padding))
+    head = f"note: the config asks for {asked!r}; the estimates favour {choice.layout!r}"
+    if mine is None:
+        return f"{head} ({asked!r} was not estimated for this config)"
+    if not mine.fits:
+        return f"{head}: {mine.label} does not fit the per-rank expert memory budget (--memory-gib)"
+    if mine.comm_us > best.comm_us and mine.comm_us - best.comm_us >= best.experts_us - mine.experts_us:
+        why = (f"{mine.label} spends {mine.comm_us:.1f} us/step moving rows, {best.label} {best.comm_us:.1f} us, "
+               f"more than its sharded experts save ({mine.experts_us:.1f} vs {best.experts_us:.1f} us)")  # fmt: skip
+    else:
+        why = (f"{mine.label} computes its experts in {mine.experts_us:.1f} us/step, {best.label} in "
+               f"{best.experts_us:.1f} us")  # fmt: skip
+    return (f"{head}: {why}; {mine.total_us:.1f} vs {best.total_us:.1f} us in all (an estimate: a faster link, "
+            "--link/--bandwidth-gbps, or tighter memory can change it)")

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from epdraft.dispatch import Dispatcher, StepPlan
-from epdraft.errors import ConfigError
+from epdraft.errors import ConfigError, NonFiniteError
 from epdraft.layers.build import build_ffn
 from epdraft.layers.mlp import DraftMLP
 from epdraft.layers.moe import DraftMoE
@@ -39,6 +39,18 @@ class TargetHeads(Protocol):
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V]."""
         ...
+
+
+def check_finite(finite_L: torch.Tensor, what: str, dtype: torch.dtype) -> None:
+    """Raise NonFiniteError naming the first draft layer whose output went NaN or inf (flags
+    [num_layers] bool from a step): drafts read from it would be garbage that only lowers the
+    accept length, silently. Reads the flags on the host (one sync)."""
+    if not bool(finite_L.all()):
+        layer = int((~finite_L).nonzero()[0, 0])
+        raise NonFiniteError(
+            f"draft layer {layer}'s hidden states went NaN or inf ({what}): its weights, or activations "
+            f"overflowing {dtype}"
+        )
 
 
 class DFlashLayer(nn.Module):
@@ -236,7 +248,9 @@ class DFlashDraft(nn.Module):
         self, pool: KVPool, slots_N: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None
     ) -> torch.Tensor:
         """`propose` over a KV pool: slots_N [N] int64 (the requests' slots, or the pad slot),
-        anchors_N [N] int64, both on the draft's device. Returns drafts [N, num_drafts] int64 there.
+        anchors_N [N] int64, both on the draft's device. Returns drafts [N, num_drafts] int64 and
+        [num_layers] bool (each layer's output finite) there, for the caller to check with
+        `check_finite` once it reads the drafts anyway.
 
         No host sync on CUDA and shapes that depend on N only: a CUDA graph can hold it.
         """
@@ -246,10 +260,12 @@ class DFlashDraft(nn.Module):
         ids_NB[:, 0] = anchors_N
         x = heads.embed(ids_NB).to(self.fc.weight.dtype)
         positions_NB = pool.lengths[slots_N].long().unsqueeze(1) + torch.arange(B, device=device)
+        finite_L = []
         for i, layer in enumerate(self.layers):
             x = layer.forward_pooled(x, positions_NB, pool, i, slots_N, plan, ids_NB)
+            finite_L.append(torch.isfinite(x).all())
         hidden = self.norm(x)
-        return self.readout(self.draft_rows(hidden), anchors_N, heads)
+        return self.readout(self.draft_rows(hidden), anchors_N, heads), torch.stack(finite_L)
 
     def forward(
         self,
@@ -282,6 +298,15 @@ class DFlashDraft(nn.Module):
         self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None = None
     ) -> torch.Tensor:
         """Final-normed hidden [N, B, H] of the blocks [anchor, MASK x (B-1)] over each request's context."""
+        return self._block_hidden(caches, anchors_N, heads, plan)[0]
+
+    def _block_hidden(
+        self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`block_hidden`, and [num_layers] bool on the device: whether each layer's output is finite.
+
+        The flags stay on the device (no host sync per layer); `propose` reads them once.
+        """
         N, B = len(caches), self.spec.block_size
         device = self.fc.weight.device
         ids_NB = torch.full((N, B), self.spec.mask_token_id, dtype=torch.long, device=device)
@@ -292,13 +317,15 @@ class DFlashDraft(nn.Module):
         # One mask and one scratch per attention kind (full, or the sliding window): their widths differ.
         masks: dict[int | None, torch.Tensor] = {}
         scratches: dict[int | None, ContextScratch] = {}
+        finite_L = []
         for i, layer in enumerate(self.layers):
             attn, w = layer.self_attn, layer.window
             if w not in masks:
                 masks[w], scratches[w] = context_mask(caches, B, device, w), ContextScratch()
             k, v = padded_context(caches, i, x, attn.num_kv_heads, attn.head_dim, scratches[w])
             x = layer(x, positions_NB, k, v, masks[w], plan, ids_NB)
-        return self.norm(x)
+            finite_L.append(torch.isfinite(x).all())
+        return self.norm(x), torch.stack(finite_L)
 
     def draft_rows(self, hidden_NBH: torch.Tensor) -> torch.Tensor:
         """The block rows that draft a token, in order: rows 1..B-1 (mask-filling) or 0..B-1 (autoregressive)."""
@@ -317,6 +344,13 @@ class DFlashDraft(nn.Module):
         caches[i] holds request i's context (its `length` is the anchor's position); anchors_N [N]
         are the last verified tokens (the verify's bonus, or prefill's first token); `plan` is the
         step's agreed row counts, passed to every MoE layer (None: a single process).
+
+        Raises NonFiniteError naming the first layer whose output went NaN or inf: drafts read
+        from it would be garbage that only lowers the accept length, silently.
         """
-        hidden = self.block_hidden(caches, anchors_N, heads, plan)
-        return self.readout(self.draft_rows(hidden), anchors_N, heads)
+        hidden, finite_L = self._block_hidden(caches, anchors_N, heads, plan)
+        drafts = self.readout(self.draft_rows(hidden), anchors_N, heads)
+        # The step's one host read of the flags, queued after the readout: the caller reads the
+        # drafts right after, so on a GPU this sync is the one that would happen anyway.
+        check_finite(finite_L, f"over {len(caches)} requests' blocks", hidden.dtype)
+        return drafts

@@ -15,6 +15,11 @@ MoE collective is entered exactly once per layer per step by every rank.
 Context K/V live in a KVPool sized once (`max_requests` x `max_context` rows), written in place by
 `add_request` / `commit`; with `cuda_graphs` the step is replayed from a CUDA graph per batch
 bucket (`epdraft.runtime.graphs`).
+
+Every rank's `Watchdog` beats through the rendezvous store (the runner passes its own; otherwise
+`build` starts one over the coordinator's ranks and `close` stops it). When a step's collective
+fails because a peer died, `propose` raises a ParallelError naming that peer, this rank's step
+and phase, instead of torch's "Connection reset by peer", so an engine gets the runner's error.
 """
 
 from __future__ import annotations
@@ -27,16 +32,17 @@ from pathlib import Path
 
 import torch
 
-from epdraft.config.parallel import ParallelConfig
+from epdraft.config.parallel import DEFAULT_HANG_TIMEOUT_S, ParallelConfig
 from epdraft.dispatch import MoeLayout, StepPlan, make_dispatcher
-from epdraft.errors import ConfigError, RequestError
+from epdraft.errors import ConfigError, EpdraftError, NonFiniteError, RequestError
 from epdraft.layers.moe import DraftMoE
 from epdraft.layers.routed_experts import reference_fallback_reason
 from epdraft.models.checkpoint import load_draft, read_draft_spec
-from epdraft.models.dflash import TargetHeads
+from epdraft.models.dflash import TargetHeads, check_finite
 from epdraft.models.protocol import DraftModel
 from epdraft.models.spec import DraftModelSpec
 from epdraft.parallel.groups import Groups
+from epdraft.parallel.watchdog import Watchdog
 from epdraft.runtime.coordinator import StepCoordinator
 from epdraft.runtime.graphs import StepGraphs, default_buckets
 from epdraft.runtime.timing import PhaseTimers, TimedDispatcher, time_forward
@@ -66,6 +72,9 @@ class DraftRuntime:
         cuda_graphs: replay the step from CUDA graphs (CUDA only; `layout.capturable` must hold).
         timers: phase timers (None: no timing, no extra device syncs). Under CUDA graphs only the
             step as a whole is timed: a per-layer device sync cannot sit inside a graph.
+        watchdog: this rank's heartbeat (its step and phase are set here), which names the lost
+            peer when a step's collective fails.
+        owns_watchdog: whether `close` stops it (the runtime started it).
     """
 
     def __init__(
@@ -79,14 +88,26 @@ class DraftRuntime:
         max_context: int,
         cuda_graphs: bool = False,
         timers: PhaseTimers | None = None,
+        watchdog: Watchdog,
+        owns_watchdog: bool = False,
     ):
         self.draft = draft
         self.heads = heads
         self.coordinator = coordinator
         self.layout = layout
         self.timers = timers
+        self.watchdog = watchdog
+        self._owns_watchdog = owns_watchdog
         self.pool = draft.new_pool(max_requests=max_requests, max_context=max_context)
-        self._dispatchers = {id(m.dispatcher): m.dispatcher for m in draft.modules() if isinstance(m, DraftMoE)}
+        self._finite_L: torch.Tensor | None = None  # the last step's per-layer finite flags (device)
+        self._step = -1
+        moe_layers = [m for m in draft.modules() if isinstance(m, DraftMoE)]
+        self._dispatchers = {id(m.dispatcher): m.dispatcher for m in moe_layers}
+        for m in moe_layers:
+            # Names the layer a lost peer left this rank in (an attribute write: no sync, no store access).
+            m.register_forward_pre_hook(
+                lambda _m, _args, phase=f"draft layer {m.layer_id} MoE": watchdog.progress(phase=phase)
+            )
         self.graphs: StepGraphs | None = None
         if cuda_graphs:
             self.graphs = StepGraphs(
@@ -95,9 +116,8 @@ class DraftRuntime:
                 device=draft.device,
             )  # fmt: skip
         elif timers is not None:
-            for m in draft.modules():
-                if isinstance(m, DraftMoE):
-                    time_forward(m, timers, "moe_total")
+            for m in moe_layers:
+                time_forward(m, timers, "moe_total")
 
     @classmethod
     def build(
@@ -114,12 +134,17 @@ class DraftRuntime:
         device: torch.device | str = "cpu",
         num_extras: int = 0,
         timers: PhaseTimers | None = None,
+        watchdog: Watchdog | None = None,
+        hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
     ) -> DraftRuntime:
         """Load the draft at `draft_path` onto this rank as `layout` places it (the engine passes its groups).
 
         max_requests / max_context size the KV pool (`draft.max_requests`, `draft.max_context`);
         `layout.cuda_graphs` turns the captured step on. `spec`: the draft's spec when already
-        read (its config.json is then not read again).
+        read (its config.json is then not read again). `watchdog`: the rank's running watchdog;
+        None: one is started over `groups.cpu`'s ranks (through the default group's store; a
+        stalled peer is logged after `hang_timeout_s`) and stopped by `close`. Every rank of
+        `groups.cpu` must build its runtime the same way.
         """
         spec = spec if spec is not None else read_draft_spec(draft_path)
         dispatcher = make_dispatcher(layout, groups.moe if layout.layout != "replicated" else None)
@@ -130,9 +155,12 @@ class DraftRuntime:
         draft = load_draft(draft_path, spec=spec, dtype=dtype, device=device, dispatcher=dispatcher)
         coordinator = StepCoordinator(groups.cpu, num_extras=num_extras)
         log.info("draft MoE layout: %s", layout.label)
+        owns = watchdog is None
+        if watchdog is None:
+            watchdog = Watchdog.start_for(groups.cpu, hang_timeout_s=hang_timeout_s, name="draft")
         return cls(
             draft, heads, coordinator, layout, max_requests=max_requests, max_context=max_context,
-            cuda_graphs=layout.cuda_graphs, timers=timers,
+            cuda_graphs=layout.cuda_graphs, timers=timers, watchdog=watchdog, owns_watchdog=owns,
         )  # fmt: skip
 
     @classmethod
@@ -146,8 +174,9 @@ class DraftRuntime:
         spec: DraftModelSpec | None = None,
         **kwargs,
     ) -> DraftRuntime:
-        """As `build`, with the layout resolved from a ParallelConfig's `draft` section (`auto` planned here)
-        and the KV pool sized by `draft.max_requests` / `draft.max_context` unless given.
+        """As `build`, with the layout resolved from a ParallelConfig's `draft` section (`auto` planned here),
+        the KV pool sized by `draft.max_requests` / `draft.max_context` unless given, and a watchdog
+        it starts bounded by `cluster.hang_timeout_s`.
 
         Raises ConfigError naming the key when neither the config nor the caller sizes the pool.
         """
@@ -158,6 +187,7 @@ class DraftRuntime:
                     f"draft.{key} = 0: a DraftRuntime's KV pool needs its size (set draft.max_requests and "
                     "draft.max_context, or pass them; epdraft run sizes them from its prompts)"
                 )
+        kwargs.setdefault("hang_timeout_s", pc.cluster.hang_timeout_s)
         spec = spec if spec is not None else read_draft_spec(draft_path)
         layout = MoeLayout.resolve(pc, spec.ffn, groups)
         return cls.build(draft_path, heads, groups=groups, layout=layout, spec=spec, **kwargs)
@@ -193,33 +223,66 @@ class DraftRuntime:
 
     @torch.no_grad()
     def propose(self, step: int, anchors: Mapping[int, int], extras: tuple[int, ...] = ()) -> Proposal:
-        """Sync, then draft B-1 tokens for every request in `anchors` (request id -> last verified token).
+        """Sync, then draft for every request in `anchors` (request id -> last verified token).
 
         Every rank must call this once per step, an idle rank with `anchors = {}`. Returns with
-        empty drafts on every rank when the agreed plan says no rank has rows.
+        empty drafts on every rank when the agreed plan says no rank has rows. No host sync on
+        CUDA beyond the step's CPU-group sync: the drafts stay on the device, and their layers'
+        finite flags are read by `commit`, after the caller has read the drafts anyway.
+
+        Raises ParallelError naming the lost peer(s), this step and phase when a collective fails
+        because a peer died or stalled.
         """
         missing = [r for r in anchors if r not in self.pool]
         if missing:
             raise RequestError(f"propose: requests {missing} were never added on this rank")
-        with self._phase("sync"):
-            plan = self.coordinator.sync(step, len(anchors) * self.block_size, extras)
-        if plan.skip:
-            return Proposal(plan, {})
-        ids = list(anchors)
-        slots = [self.pool.slot(r) for r in ids]
-        with self._phase("draft_propose"):
-            if self.graphs is not None:
-                drafts_NB = self.graphs.run(slots, [anchors[r] for r in ids], plan)
-            else:
-                device = self.draft.device
-                slots_N = torch.tensor(slots, dtype=torch.long, device=device)
-                anchors_N = torch.tensor([anchors[r] for r in ids], dtype=torch.long, device=device)
-                drafts_NB = self.draft.propose_pooled(self.pool, slots_N, anchors_N, self.heads, plan)
+        try:
+            self.watchdog.progress(step, "step sync")
+            with self._phase("sync"):
+                plan = self.coordinator.sync(step, len(anchors) * self.block_size, extras)
+            if plan.skip:
+                return Proposal(plan, {})
+            self.watchdog.progress(phase="draft propose")
+            ids = list(anchors)
+            slots = [self.pool.slot(r) for r in ids]
+            with self._phase("draft_propose"):
+                if self.graphs is not None:
+                    drafts_NB, self._finite_L = self.graphs.run(slots, [anchors[r] for r in ids], plan)
+                else:
+                    device = self.draft.device
+                    slots_N = torch.tensor(slots, dtype=torch.long, device=device)
+                    anchors_N = torch.tensor([anchors[r] for r in ids], dtype=torch.long, device=device)
+                    drafts_NB, self._finite_L = self.draft.propose_pooled(
+                        self.pool, slots_N, anchors_N, self.heads, plan
+                    )
+        except EpdraftError:
+            raise
+        except RuntimeError as e:
+            lost = self.watchdog.lost_error(e, what=f"step {step}'s draft collectives")
+            if lost is None:
+                raise
+            raise self._failed(lost) from e
+        self._step = step
         return Proposal(plan, {r: drafts_NB[i] for i, r in enumerate(ids)})
+
+    def _failed(self, error: EpdraftError) -> EpdraftError:
+        """Tell the peers why this rank fails (they name it rather than calling it gone); return `error`."""
+        self.watchdog.fail(str(error))
+        return error
 
     @torch.no_grad()
     def commit(self, result: VerifyResult) -> None:
-        """Append each verified request's committed rows (anchor + accepted drafts) to its context."""
+        """Append each verified request's committed rows (anchor + accepted drafts) to its context.
+
+        Raises NonFiniteError naming the draft layer whose hidden states went NaN or inf in the
+        step these rows verified (the flags `propose` left on the device, read here once).
+        """
+        if self._finite_L is not None:
+            finite_L, self._finite_L = self._finite_L, None
+            try:
+                check_finite(finite_L, f"{len(result.request_ids)} requests verified", self.pool.k[0].dtype)
+            except NonFiniteError as e:
+                raise self._failed(NonFiniteError(f"rank {self.coordinator.rank} at step {self._step}: {e}")) from None
         with self._phase("draft_context"):
             self.draft.extend_pool(
                 self.pool,
@@ -228,6 +291,9 @@ class DraftRuntime:
             )
 
     def close(self) -> None:
-        """Free the dispatcher's buffers (every rank of the MoE group must call it)."""
+        """Free the dispatcher's buffers (every rank of the MoE group must call it) and stop the
+        watchdog the runtime started (before the engine leaves the world)."""
         for dispatcher in self._dispatchers.values():
             dispatcher.close()
+        if self._owns_watchdog:
+            self.watchdog.stop()

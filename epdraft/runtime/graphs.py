@@ -45,11 +45,12 @@ class _Captured:
     slots: torch.Tensor
     anchors: torch.Tensor
     drafts: torch.Tensor
+    finite: torch.Tensor
     copied: torch.cuda.Event = dataclasses.field(default_factory=torch.cuda.Event)
 
 
 class StepGraphs:
-    """Captures and replays `step(slots_N, anchors_N, plan) -> drafts [N, B-1]` per bucket.
+    """Captures and replays `step(slots_N, anchors_N, plan) -> (drafts [N, k], finite [layers])` per bucket.
 
     step: the draft step over static inputs (e.g. `draft.propose_pooled` bound to its pool and heads).
     pad_slot: the slot padding rows read. buckets: ascending request counts.
@@ -57,7 +58,7 @@ class StepGraphs:
 
     def __init__(
         self,
-        step: Callable[[torch.Tensor, torch.Tensor, StepPlan], torch.Tensor],
+        step: Callable[[torch.Tensor, torch.Tensor, StepPlan], tuple[torch.Tensor, torch.Tensor]],
         *,
         pad_slot: int,
         buckets: tuple[int, ...],
@@ -76,8 +77,9 @@ class StepGraphs:
         """The bucket every rank agrees on for this step: from the largest row count in the plan."""
         return bucket_for(self.buckets, -(-plan.max_count // self.block_size))
 
-    def run(self, slots: list[int], anchors: list[int], plan: StepPlan) -> torch.Tensor:
-        """Drafts [len(slots), B-1] int64 on the device, from the bucket's graph (captured on first use)."""
+    def run(self, slots: list[int], anchors: list[int], plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """(drafts [len(slots), k] int64, the layers' finite flags) on the device, from the bucket's
+        graph (captured on first use)."""
         b = self.bucket(plan)
         captured = self._captured.get(b)
         if captured is None:
@@ -92,7 +94,7 @@ class StepGraphs:
         captured.anchors.copy_(captured.anchors_host, non_blocking=True)
         captured.copied.record()
         captured.graph.replay()
-        return captured.drafts[:n]
+        return captured.drafts[:n], captured.finite
 
     def _capture(self, b: int, plan: StepPlan, slots: list[int], anchors: list[int]) -> _Captured:
         bucket_plan = StepPlan(step=plan.step, ranks=plan.ranks, counts=(b * self.block_size,) * len(plan.ranks))
@@ -110,9 +112,9 @@ class StepGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            drafts = self.step(slots_d, anchors_d, bucket_plan)
+            drafts, finite = self.step(slots_d, anchors_d, bucket_plan)
         log.info("captured the draft step for %d requests (bucket %d)", len(slots), b)
-        captured = _Captured(graph, slots_host, anchors_host, slots_d, anchors_d, drafts)
+        captured = _Captured(graph, slots_host, anchors_host, slots_d, anchors_d, drafts, finite)
         captured.copied.record()  # the copies above read the pinned buffers that `run` refills next
         self._captured[b] = captured
         return captured

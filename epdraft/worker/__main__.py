@@ -5,7 +5,13 @@ initializes the process group bounded by `cluster.timeout_s`, builds the Groups,
 from rank 0, checks every group with an all-reduce and tears the process group down.
 
 A rank that dies of a signal prints every thread's Python stack; `kill -USR1 PID` prints them from
-a rank that hangs and lets it run on.
+a rank that hangs and lets it run on. Every rank runs a `Watchdog` from init to teardown: a peer
+without a heartbeat for `cluster.hang_timeout_s` makes this rank exit 1 naming it, and a collective
+that fails because a peer died becomes a ParallelError naming the peer, the step and the phase.
+
+A failing rank exits 2 when it refused its input (config, draft, target, prompts) and 1 for a
+fault; with `--failure-dir` (the launcher's) it first writes its one-line reason there, so the
+launcher prints the first rank's reason once instead of every rank's log and torchrun's traceback.
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ import torch
 import torch.distributed as dist
 
 from epdraft.config.parallel import ParallelConfig, load_parallel_config
-from epdraft.errors import EpdraftError, ParallelError
+from epdraft.errors import EpdraftError, NonFiniteError, ParallelError
 from epdraft.parallel.groups import Groups, layout_table, resolve_backend
 from epdraft.parallel.health import check_all_reduce, health_check
+from epdraft.parallel.failure import write_failure, write_progress
 from epdraft.parallel.log import info_rank0, setup_logging
+from epdraft.parallel.watchdog import Watchdog
 from epdraft.parallel.world import join_world, leave_world
 from epdraft.worker.job import RunJob, run_job
 
@@ -40,6 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. draft.moe_ep=2"
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--failure-dir", help="a failing rank writes its one-line reason here (the launcher's folder)")
     job = parser.add_argument_group("run job (without --draft the worker only checks the layout)")
     job.add_argument("--draft", help="draft export directory (config.json + safetensors)")
     job.add_argument("--target", help="HF target model directory")
@@ -48,6 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     job.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     job.add_argument("--no-lossless-check", action="store_true", help="skip the target-only greedy reference decode")
     job.add_argument("--json", dest="json_out", help="rank 0 writes the summary here as JSON")
+    job.add_argument("--show", type=int, default=0, help="rank 0 prints the first N requests' generated text")
     job.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                      help="the draft's weights (default: bfloat16 on CUDA, float32 on CPU)")
     job.add_argument("--target-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
@@ -75,11 +85,12 @@ def init_distributed(pc: ParallelConfig) -> None:
     join_world(backend, timeout=datetime.timedelta(seconds=pc.cluster.timeout_s), device_id=device_id)
 
 
-def run(pc: ParallelConfig, config_path: str, job: RunJob | None = None) -> bool:
+def run(pc: ParallelConfig, config_path: str, watchdog: Watchdog, job: RunJob | None = None) -> str | None:
     """Everything between init and teardown: groups, layout, health check, then the job if any.
 
-    Returns False when the job's lossless check failed.
+    Returns why the job failed although every rank finished (rank 0: lossless check, no tokens), else None.
     """
+    watchdog.progress(phase="groups and health check")
     info_rank0(log, None, "parallel config %s: %s", config_path, json.dumps(pc.to_dict()))
     groups = Groups.from_config(pc)
     info_rank0(log, None, "layout:\n%s", layout_table(pc))
@@ -95,8 +106,8 @@ def run(pc: ParallelConfig, config_path: str, job: RunJob | None = None) -> bool
         health_check(groups)
     info_rank0(log, None, "health check passed on %d ranks", dist.get_world_size())
     if job is None:
-        return True
-    return run_job(pc, config_path, groups, job)
+        return None
+    return run_job(pc, config_path, groups, job, watchdog)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,33 +117,83 @@ def main(argv: list[str] | None = None) -> int:
     # and `kill -USR1 PID` prints them from a rank that hangs, without stopping it.
     faulthandler.enable(all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    watchdog: Watchdog | None = None
     try:
         pc = load_parallel_config(args.config, args.set)
         init_distributed(pc)
-        job = None
-        if args.draft:
-            job = RunJob(
-                draft=args.draft,
-                target=args.target,
-                prompts=args.prompts,
-                max_new_tokens=args.max_new_tokens,
-                max_prompts=args.max_prompts,
-                check_lossless=not args.no_lossless_check,
-                json_out=args.json_out,
-                dtype=args.dtype,
-                target_dtype=args.target_dtype,
-            )
         try:
-            ok = run(pc, args.config, job)
+            watchdog = Watchdog.start_for(
+                dist.group.WORLD,
+                hang_timeout_s=pc.cluster.hang_timeout_s,
+                on_stall=lambda reason: _exit_stalled(args.failure_dir, reason),
+                stacks_on_usr1=True,
+                on_progress=(lambda step, phase: write_progress(args.failure_dir, dist.get_rank(), step, phase))
+                if args.failure_dir else None,
+            )
+            job = None
+            if args.draft:
+                job = RunJob(
+                    draft=args.draft,
+                    target=args.target,
+                    prompts=args.prompts,
+                    max_new_tokens=args.max_new_tokens,
+                    max_prompts=args.max_prompts,
+                    check_lossless=not args.no_lossless_check,
+                    json_out=args.json_out,
+                    show=args.show,
+                    dtype=args.dtype,
+                    target_dtype=args.target_dtype,
+                )
+            failed = run(pc, args.config, watchdog, job)
+        except BaseException as e:
+            code, reason = _failure(e, watchdog)
+            if watchdog is not None:
+                watchdog.fail(reason)
+            if code is None:
+                raise
+            return _fail(args.failure_dir, code, reason)
         finally:
+            if watchdog is not None:
+                watchdog.stop()
             leave_world()
-    except EpdraftError as e:
-        log.error("%s", e)
-        return 2
-    except Exception:
+    except EpdraftError as e:  # before the world exists: the config, init
+        return _fail(args.failure_dir, 1 if isinstance(e, ParallelError) else 2, str(e))
+    return 0 if failed is None else _fail(args.failure_dir, 1, failed)
+
+
+def _failure(e: BaseException, watchdog: Watchdog | None) -> tuple[int | None, str]:
+    """(exit code, one-line reason) of a failed run; exit code None: not ours to handle (re-raise).
+
+    2 for refused input, 1 for a fault. A torch error of a collective whose peer died or stalled
+    becomes the watchdog's ParallelError naming that peer.
+    """
+    if isinstance(e, (ParallelError, NonFiniteError)):
+        return 1, str(e)
+    if isinstance(e, EpdraftError):
+        return 2, str(e)
+    if isinstance(e, RuntimeError) and watchdog is not None and (lost := watchdog.lost_error(e)) is not None:
+        return 1, str(lost)
+    if isinstance(e, Exception):
         log.exception("worker failed")
-        raise
-    return 0 if ok else 1
+        return 1, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}".rstrip(": ")
+    return None, f"{type(e).__name__}"
+
+
+def _fail(failure_dir: str | None, code: int, reason: str) -> int:
+    """Write the reason for the launcher first (it mutes what follows), then log it; return `code`."""
+    if failure_dir:
+        write_failure(failure_dir, dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0")),
+                      code, reason)  # fmt: skip
+    log.error("%s", reason)
+    return code
+
+
+def _exit_stalled(failure_dir: str | None, reason: str) -> None:
+    """The watchdog named a stalled peer: exit now. The main thread is stuck in a collective with
+    that peer until `cluster.timeout_s`, so the process ends from the watchdog's thread."""
+    _fail(failure_dir, 1, reason)
+    logging.shutdown()
+    os._exit(1)
 
 
 if __name__ == "__main__":

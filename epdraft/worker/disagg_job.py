@@ -22,6 +22,7 @@ from epdraft.config.parallel import ParallelConfig
 from epdraft.models.spec import check_against_target
 from epdraft.parallel.address import is_loopback
 from epdraft.parallel.groups import Groups, resolve_backend
+from epdraft.parallel.watchdog import Watchdog
 from epdraft.runtime import DraftRuntime, PhaseTimers
 from epdraft.target.heads import HFHeads
 from epdraft.target.hf import HFTarget
@@ -40,7 +41,7 @@ _DRAFT_PHASES = ("sync", "draft_context", "draft_propose", "moe_total", "moe_dis
 
 
 def run_disaggregated(
-    pc: ParallelConfig, groups: Groups | None, job: RunJob, setup: RankSetup
+    pc: ParallelConfig, groups: Groups | None, job: RunJob, setup: RankSetup, watchdog: Watchdog
 ) -> tuple[RankReport, HFTarget | None, Callable[[list[RankReport]], list[RankReport]]]:
     """Serve this rank's side; returns its report, its target (None on a draft rank) and how rank 0
     merges the reports (the target ranks', with the draft ranks' phases and layout folded in).
@@ -68,7 +69,7 @@ def run_disaggregated(
             check_against_target(
                 spec, hidden_size=heads.hidden_size, num_layers=heads.num_layers, vocab_size=heads.vocab_size
             )
-            report = _serve_draft(pc, job, groups, heads, link, timers, rank, setup)
+            report = _serve_draft(pc, job, groups, heads, link, timers, rank, setup, watchdog)
         else:
             target = HFTarget.from_pretrained(
                 job.target, spec.target_layer_ids, dtype=setup.target_dtype, device=setup.device
@@ -76,7 +77,7 @@ def run_disaggregated(
             check_against_target(
                 spec, hidden_size=target.hidden_size, num_layers=target.num_layers, vocab_size=target.vocab_size
             )
-            report = _serve_target(pc, target, link, setup.prompts, timers, rank, job)
+            report = _serve_target(pc, target, link, setup.prompts, timers, rank, job, watchdog)
     finally:
         link.close()
     return report, target, lambda reports: _target_reports(pc, reports)
@@ -90,6 +91,7 @@ def _serve_target(
     timers: PhaseTimers,
     rank: int,
     job: RunJob,
+    watchdog: Watchdog,
 ) -> RankReport:
     dp_rank = pc.target_ranks.index(rank)
     mine = assign_prompts([len(p) for p in prompts], job.max_new_tokens, pc.target_world_size)[dp_rank]
@@ -98,7 +100,8 @@ def _serve_target(
     feature_dim = len(target.feature_layer_ids) * target.hidden_size
     drafter = RemoteDrafter(link, draft_rank, feature_dim, target.model.dtype, timers)
     return serve_requests(
-        target, drafter, {i: prompts[i] for i in mine}, rank=rank, max_new_tokens=job.max_new_tokens, timers=timers
+        target, drafter, {i: prompts[i] for i in mine}, rank=rank, max_new_tokens=job.max_new_tokens, timers=timers,
+        watchdog=watchdog,
     )
 
 
@@ -111,6 +114,7 @@ def _serve_draft(
     timers: PhaseTimers,
     rank: int,
     setup: RankSetup,
+    watchdog: Watchdog,
 ) -> RankReport:
     targets = paired_target_ranks(pc, rank)
     log.info("draft DP rank %d serves target ranks %s", groups.dp_rank, list(targets))
@@ -119,7 +123,7 @@ def _serve_draft(
     mine = [i for t in targets for i in per_target[pc.target_ranks.index(t)]]
     runtime = DraftRuntime.from_config(
         pc, job.draft, heads, groups=groups, spec=setup.spec, dtype=setup.dtype, device=heads.device, timers=timers,
-        **pool_limits(pc, job, prompts, mine, setup.spec.block_size),
+        watchdog=watchdog, **pool_limits(pc, job, prompts, mine, setup.spec.block_size),
     )  # fmt: skip
     try:
         link.register_as_draft(targets)

@@ -21,11 +21,13 @@ from epdraft.config.parallel import ParallelConfig
 from epdraft.models.checkpoint import read_draft_spec
 from epdraft.models.spec import DraftModelSpec, check_against_target
 from epdraft.parallel.groups import Groups, resolve_backend
+from epdraft.parallel.watchdog import Watchdog
 from epdraft.runtime import DraftRuntime, PhaseTimers
 from epdraft.target.hf import HFTarget
 from epdraft.target.prompts import read_prompts
+from epdraft.worker.progress import Progress
 from epdraft.worker.serve import LocalDrafter, assign_prompts, greedy_reference, serve_requests
-from epdraft.worker.summary import RankReport, format_summary, summarize
+from epdraft.worker.summary import RankReport, format_summary, generations, summarize
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ class RunJob(msgspec.Struct, frozen=True, kw_only=True):
     dtype: the draft's weights; None = bfloat16 on CUDA (the fused expert kernels' dtype), float32
     on CPU. target_dtype: the target's weights (float32 by default: the standalone target checks
     losslessness against its own greedy decode, which bf16 batched verify does not reproduce bit
-    for bit).
+    for bit). show: rank 0 prints (and writes) the first `show` requests' generations.
     """
 
     draft: str
@@ -46,6 +48,7 @@ class RunJob(msgspec.Struct, frozen=True, kw_only=True):
     max_prompts: int = 0
     check_lossless: bool = True
     json_out: str | None = None
+    show: int = 0
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     target_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
@@ -85,20 +88,30 @@ def pool_limits(pc: ParallelConfig, job: RunJob, prompts: list[list[int]], mine:
     }
 
 
-def run_job(pc: ParallelConfig, config_path: str, groups: Groups | None, job: RunJob) -> bool:
+def run_job(
+    pc: ParallelConfig, config_path: str, groups: Groups | None, job: RunJob, watchdog: Watchdog
+) -> str | None:
     """Serve the job's prompts; rank 0 prints (and writes) the summary.
 
     `groups` is None exactly on a rank that holds no draft (a disaggregated target rank).
-    Returns False when the lossless check failed (rank 0), True otherwise.
+    `watchdog`: this rank's, told each phase (a stalled peer is named with its last one).
+    Returns, on rank 0, why the run failed although every rank finished (the lossless check, no
+    token generated); None otherwise.
     """
+    watchdog.progress(phase="reading the draft config and prompts")
     setup = rank_setup(pc, job)
     if pc.placement.mode == "disaggregated":
         from epdraft.worker.disagg_job import run_disaggregated
 
-        report, target, select = run_disaggregated(pc, groups, job, setup)
-        return finish(report, target, job, pc, config_path, setup.prompts, group=None, root=0, select=select)
+        watchdog.progress(phase="serving (disaggregated)")
+        report, target, select = run_disaggregated(pc, groups, job, setup, watchdog)
+        return finish(report, target, job, pc, config_path, setup.prompts, group=None, root=0, select=select,
+                      watchdog=watchdog)  # fmt: skip
     assert groups is not None, "a colocated rank always holds the draft"
     spec = setup.spec
+    display = Progress.for_rank(dist.get_rank())
+    display.phase("loading the target")
+    watchdog.progress(phase="loading the target")
     target = HFTarget.from_pretrained(job.target, spec.target_layer_ids, dtype=setup.target_dtype, device=setup.device)
     check_against_target(
         spec, hidden_size=target.hidden_size, num_layers=target.num_layers, vocab_size=target.vocab_size
@@ -106,9 +119,11 @@ def run_job(pc: ParallelConfig, config_path: str, groups: Groups | None, job: Ru
     timers = PhaseTimers(setup.device)
     prompts = setup.prompts
     mine = assign_prompts([len(p) for p in prompts], job.max_new_tokens, groups.dp_size)[groups.dp_rank]
+    display.phase("loading the draft")
+    watchdog.progress(phase="loading the draft")
     runtime = DraftRuntime.from_config(
         pc, job.draft, target, groups=groups, spec=spec, dtype=setup.dtype, device=setup.device, num_extras=2,
-        timers=timers, **pool_limits(pc, job, prompts, mine, spec.block_size),
+        timers=timers, watchdog=watchdog, **pool_limits(pc, job, prompts, mine, spec.block_size),
     )  # fmt: skip
     try:
         log.info("%d of %d prompts on this rank", len(mine), len(prompts))
@@ -119,12 +134,16 @@ def run_job(pc: ParallelConfig, config_path: str, groups: Groups | None, job: Ru
             rank=dist.get_rank(),
             max_new_tokens=job.max_new_tokens,
             timers=timers,
+            watchdog=watchdog,
+            display=display,
+            total_tokens=len(prompts) * job.max_new_tokens,
         )
         report.layout = runtime.layout.label
     finally:
         runtime.close()
     root = dist.get_process_group_ranks(groups.cpu)[0]
-    return finish(report, target, job, pc, config_path, setup.prompts, group=groups.cpu, root=root)
+    return finish(report, target, job, pc, config_path, setup.prompts, group=groups.cpu, root=root,
+                  watchdog=watchdog, display=display)  # fmt: skip
 
 
 def finish(
@@ -138,12 +157,20 @@ def finish(
     group: dist.ProcessGroup | None,
     root: int,
     select: Callable[[list[RankReport]], list[RankReport]] = lambda reports: reports,
-) -> bool:
+    watchdog: Watchdog,
+    display: Progress | None = None,
+) -> str | None:
     """Attach the target's own greedy decodes (on ranks holding the target), then report to `root`."""
+    display = display if display is not None else Progress(None)
+    watchdog.progress(phase="lossless check")
     if target is not None and job.check_lossless:
-        for o in report.requests:
-            if o.error is None:
-                o.reference_tokens = greedy_reference(target.model, prompts[o.request_id], job.max_new_tokens)
+        checked = [o for o in report.requests if o.error is None]
+        display.phase("lossless check (this rank's requests)", len(checked), "requests")
+        for n, o in enumerate(checked):
+            o.reference_tokens = greedy_reference(target.model, prompts[o.request_id], job.max_new_tokens)
+            display.update(n + 1)
+    display.close()
+    watchdog.progress(phase="reporting to rank 0")
     return report_to_root(report, job, pc, config_path, group=group, root=root, select=select)
 
 
@@ -156,21 +183,27 @@ def report_to_root(
     group: dist.ProcessGroup | None,
     root: int,
     select: Callable[[list[RankReport]], list[RankReport]],
-) -> bool:
+) -> str | None:
     """Gather every rank's report on `root` (a global rank of `group`), which prints the summary
     (and writes it as JSON when asked); `select` picks and merges the reports that make it.
 
-    Returns False on the root when the lossless check failed or nothing was generated (every
-    request refused is no success), True otherwise.
+    Returns, on the root, why the run failed: the lossless check, or nothing generated (every
+    request refused is no success); None otherwise.
     """
     is_root = dist.get_rank() == root
     gathered: list[bytes | None] | None = [None] * dist.get_world_size(group) if is_root else None
     dist.gather_object(msgspec.msgpack.encode(report), gathered, dst=root, group=group)
     if not is_root:
-        return True
+        return None
     reports = select([msgspec.msgpack.decode(b, type=RankReport) for b in gathered])
     summary = summarize(reports, config=config_path, parallel_config=pc.to_dict())
+    if job.show:
+        summary.shown = generations(reports, job.show, tokenizer_dir=job.target)
     print(format_summary(summary), flush=True)
     if job.json_out:
         Path(job.json_out).write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
-    return summary.lossless is not False and summary.generated_tokens > 0
+    if summary.lossless is False:
+        return f"lossless check failed: {summary.first_mismatch} from the target's own greedy decode"
+    if summary.generated_tokens == 0:
+        return f"nothing was generated: {len(summary.failed_requests)} of {summary.requests} requests were refused"
+    return None

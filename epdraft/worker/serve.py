@@ -23,9 +23,11 @@ from typing import Protocol
 import torch
 
 from epdraft.errors import RequestError
+from epdraft.parallel.watchdog import Watchdog
 from epdraft.runtime import DraftRuntime, PhaseTimers
 from epdraft.target.base import Target, VerifyResult
 from epdraft.target.hf import cache_kwarg
+from epdraft.worker.progress import Progress
 from epdraft.worker.summary import RankReport, RequestOutcome
 
 log = logging.getLogger(__name__)
@@ -117,16 +119,27 @@ def serve_requests(
     rank: int,
     max_new_tokens: int,
     timers: PhaseTimers,
+    watchdog: Watchdog | None = None,
+    display: Progress | None = None,
+    total_tokens: int | None = None,
     progress_every_s: float = 2.0,
 ) -> RankReport:
     """Generate `max_new_tokens` for each of this rank's prompts (request id -> token ids).
 
     A request the target refuses (empty prompt, id outside the vocabulary) is reported with its
     error; the others still run. Every target rank calls this, an idle one with `prompts = {}`.
+    `watchdog`: told the step and phase (prefill, verify), so a peer that loses this rank names them.
+    `display`: the terminal's progress line (prefill of this rank's prompts, then every rank's
+    tokens out of `total_tokens`); when it draws, the periodic progress log is left out.
     """
+    note = watchdog.progress if watchdog is not None else lambda step=None, phase=None: None
+    display = display if display is not None else Progress(None)
+    note(phase="prefill")
+    display.phase("prefill (this rank's prompts)", len(prompts), "prompts")
     outcomes: dict[int, RequestOutcome] = {}
     active: dict[int, _Active] = {}
-    for rid, prompt in prompts.items():
+    for n, (rid, prompt) in enumerate(prompts.items()):
+        display.update(n)
         outcomes[rid] = RequestOutcome(request_id=rid, rank=rank)
         try:
             with timers.phase("prefill"):
@@ -139,6 +152,8 @@ def serve_requests(
         first = int(pre.first_tokens[0])
         active[rid] = _Active(tokens=[first], accept_lens=[], anchor=first)
 
+    display.update(len(prompts))
+    display.phase("decoding", total_tokens, "tokens")
     step, start, last_report = 0, time.perf_counter(), time.perf_counter()
     while True:
         running = [rid for rid, a in active.items() if len(a.tokens) < max_new_tokens]
@@ -150,6 +165,7 @@ def serve_requests(
             blocks_NB = torch.stack(
                 [torch.cat([torch.tensor([active[r].anchor]), drafted.drafts[r].cpu()]) for r in running]
             )
+            note(step, "verify")
             with timers.phase("verify"):
                 result = target.verify(running, blocks_NB)
             drafter.commit(result)
@@ -162,7 +178,9 @@ def serve_requests(
                     target.release(rid)
                     drafter.release(rid)
         now = time.perf_counter()
-        if rank == 0 and drafted.progress is not None and now - last_report >= progress_every_s:
+        if drafted.progress is not None:
+            display.update(drafted.progress[2])
+        if rank == 0 and not display.enabled and drafted.progress is not None and now - last_report >= progress_every_s:
             requests, ranks, tokens = drafted.progress
             log.info(
                 "step %d: %d requests running on %d ranks, %d tokens so far, %.0f tok/s",

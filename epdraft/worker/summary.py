@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 
 PHASES = (
@@ -43,6 +45,16 @@ class RankReport(msgspec.Struct, kw_only=True):
     layout: str = ""
 
 
+class Generation(msgspec.Struct, kw_only=True):
+    """One request's generated tokens, and their text when the target has a tokenizer (`--show`)."""
+
+    request_id: int
+    rank: int
+    tokens: list[int]
+    text: str | None
+    error: str | None = None
+
+
 class RunSummary(msgspec.Struct, kw_only=True):
     """What `epdraft run` reports (also written as JSON with --json).
 
@@ -68,6 +80,7 @@ class RunSummary(msgspec.Struct, kw_only=True):
     phase_seconds: dict[str, float]
     lossless: bool | None
     first_mismatch: str | None
+    shown: list[Generation] = []
 
 
 def derive_phases(raw: dict[str, float]) -> dict[str, float]:
@@ -136,6 +149,22 @@ def summarize(reports: list[RankReport], *, config: str, parallel_config: dict |
     )
 
 
+def generations(reports: list[RankReport], n: int, *, tokenizer_dir: str | Path) -> list[Generation]:
+    """The first `n` requests (by id) as generated, decoded with the target's tokenizer when it has
+    one (a target saved without one shows token ids only: nothing is guessed)."""
+    from epdraft.target.prompts import TOKENIZER_FILES, load_tokenizer
+
+    outcomes = sorted((o for r in reports for o in r.requests), key=lambda o: o.request_id)[:n]
+    tokenizer = None
+    if any((Path(tokenizer_dir) / f).is_file() for f in TOKENIZER_FILES):
+        tokenizer = load_tokenizer(tokenizer_dir, "--show")
+    return [
+        Generation(request_id=o.request_id, rank=o.rank, tokens=o.tokens, error=o.error,
+                   text=tokenizer.decode(o.tokens) if tokenizer is not None and o.error is None else None)  # fmt: skip
+        for o in outcomes
+    ]
+
+
 def format_summary(s: RunSummary) -> str:
     """The human-readable summary."""
     lines = [
@@ -164,4 +193,11 @@ def format_summary(s: RunSummary) -> str:
     else:
         lines.append("lossless: OK (every request equals the target's own greedy decode)" if s.lossless
                      else f"lossless: FAIL: {s.first_mismatch}")
+    for g in s.shown:
+        if g.error is not None:
+            lines.append(f"request {g.request_id} (rank {g.rank}): refused")
+        elif g.text is not None:
+            lines.append(f"request {g.request_id} (rank {g.rank}): {g.text!r}")
+        else:
+            lines.append(f"request {g.request_id} (rank {g.rank}), token ids (the target has no tokenizer): {g.tokens}")
     return "\n".join(lines)

@@ -60,3 +60,11 @@ def test_plan_command_prints_choice_and_estimates(capsys):
     assert "\nchoice: " in out and "\nwhy: " in out
     for label in ("replicated", "alltoall", "gather (max_len)", "gather (sum_len)"):
         assert f"\n{label}" in out
+
+
+def test_plan_says_why_it_disagrees_with_the_config(capsys):
+    assert cli_main(["plan", "configs/local-cpu-2.toml", "epdraft/assets/tiny-draft"]) == 0
+    note = capsys.readouterr().out.strip().splitlines()[-1]
+    assert note.startswith("note: the config asks for 'alltoall'; the estimates favour 'replicated': "
+                           "alltoall spends "), note
+    assert "us/step moving rows, replicated 0.0 us, more than its sharded experts save" in note, note

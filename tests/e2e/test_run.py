@@ -101,6 +101,7 @@ def test_a_worker_whose_every_request_is_refused_exits_non_zero(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "requests: 2 (2 refused)" in proc.stdout, proc.stdout
+    assert "nothing was generated: 2 of 2 requests were refused" in proc.stderr, proc.stderr
 
 
 @pytest.mark.timeout(420)

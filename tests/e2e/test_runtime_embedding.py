@@ -7,12 +7,16 @@ included. The reference is the single-process speculative decode of the same pro
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from epdraft.errors import ParallelError
+from epdraft.parallel.spawn import run_local_ranks
 from epdraft.runtime import DraftRuntime
 from tests.harness import run_ranks
 
@@ -107,3 +111,64 @@ def test_host_loop_equals_single_process(layout, ep):
         assert accepts == ref_accepts
     accept_length = 1 + sum(sum(a) for _, a in got) / sum(len(a) for _, a in got)
     assert accept_length >= 2.0, f"the trained tiny pair commits only {accept_length:.2f} tokens per step"
+
+
+def _dies_mid_dispatch(rank: int, world: int, out: str) -> None:
+    """The host loop above, but rank 1 is SIGKILLed inside its first MoE dispatch of step 2."""
+    from epdraft.config.parallel import parallel_config_from_dict
+    from epdraft.layers.moe import DraftMoE
+    from epdraft.models import read_draft_spec
+    from epdraft.parallel.groups import Groups
+    from epdraft.runtime import MoeLayout
+    from epdraft.target.hf import HFTarget
+
+    draft_dir = ASSETS / "tiny-draft"
+    spec = read_draft_spec(draft_dir)
+    target = HFTarget.from_pretrained(ASSETS / "tiny-target", spec.target_layer_ids)
+    everyone = dist.new_group(list(range(world)))
+    groups = Groups.from_process_groups(moe=everyone, attn_dp=everyone, cpu=everyone, ep_size=world, tp_size=1)
+    pc = parallel_config_from_dict({
+        "cluster": {"nnodes": 1, "nproc_per_node": world, "device": "cpu"},
+        "draft": {"attn_dp": world, "moe_layout": "alltoall", "moe_ep": world},
+        "target": {"dp": world},
+    })  # fmt: skip
+    runtime = DraftRuntime.build(draft_dir, target, groups=groups, layout=MoeLayout.resolve(pc, spec.ffn, groups),
+                                 spec=spec)  # fmt: skip
+    steps = {"now": 0}
+    if rank == 1:
+        dispatcher = next(m.dispatcher for m in runtime.draft.modules() if isinstance(m, DraftMoE))
+        dispatch = dispatcher.dispatch
+
+        def dying_dispatch(*args, **kwargs):
+            if steps["now"] == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return dispatch(*args, **kwargs)
+
+        dispatcher.dispatch = dying_dispatch
+    rid = rank
+    pre = target.prefill([rid], [PROMPTS[rank]])
+    runtime.add_request(rid, pre.features)
+    anchor = int(pre.first_tokens[0])
+    try:
+        for step in range(NEW_TOKENS):
+            steps["now"] = step
+            proposal = runtime.propose(step, {rid: anchor})
+            block = torch.cat([torch.tensor([anchor]), proposal.drafts[rid]]).unsqueeze(0)
+            result = target.verify([rid], block)
+            runtime.commit(result)
+            anchor = int(result.bonus[0])
+        message = "no step failed"
+    except ParallelError as e:
+        message = str(e)
+    runtime.close()
+    Path(out, f"rank{rank}").write_text(message)
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_dying_mid_dispatch_makes_the_others_raise_a_parallel_error_naming_it(tmp_path):
+    with pytest.raises(ParallelError, match="rank 1 exited with code -9 without reporting"):
+        run_local_ranks(2, _dies_mid_dispatch, str(tmp_path), timeout_s=200)
+    message = (tmp_path / "rank0").read_text()
+    # Rank 1's last step and phase are its last beat's (up to a second old): not asserted.
+    assert message.startswith("lost rank 1 (heartbeat gone, last at "), message
+    assert "step 2's draft collectives failed on rank 0 at step 2, phase draft layer 0 MoE: " in message, message

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from epdraft.errors import ConfigError, LoadError
+from epdraft.errors import ConfigError, LoadError, NonFiniteError
 from epdraft.models import DFlashDraft, DraftModelSpec, check_against_target, load_draft, speculative_generate
 from epdraft.models.attention import DFlashAttention
 from tests.models.helpers import H, VOCAB, draft_config, randomize, tiny_target, write_export
@@ -111,6 +111,19 @@ def test_zero_row_propose_runs_every_ffn_once():
     drafts = draft.propose([], torch.zeros(0, dtype=torch.long), Heads())
     assert drafts.shape == (0, 3)
     assert calls == [((0, H), (0, H))] * 2
+
+
+@pytest.mark.parametrize("moe", [True, False])
+def test_propose_names_the_first_layer_whose_hidden_states_go_non_finite(moe):
+    draft, heads = make_draft(moe=moe), Heads()
+    cache = draft.new_cache()
+    draft.extend_context(cache, torch.randn(5, 2 * H, generator=torch.Generator().manual_seed(1)))
+    anchors = torch.tensor([4])
+    assert draft.propose([cache], anchors, heads).shape == (1, 3)  # finite weights: no error
+    with torch.no_grad():
+        draft.layers[1].post_attention_layernorm.weight.fill_(float("inf"))  # layer 0 stays finite
+    with pytest.raises(NonFiniteError, match=r"draft layer 1's hidden states went NaN or inf"):
+        draft.propose([cache], anchors, heads)
 
 
 def test_load_specforge_export_roundtrip(tmp_path):

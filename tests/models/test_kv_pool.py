@@ -62,10 +62,10 @@ def test_pooled_step_equals_the_cache_reference():
         draft.extend_pool(pool, rids, batch)
     anchors = torch.tensor([3, 7, 11])
     slots = torch.tensor([pool.slot(r) for r in rids])
-    assert torch.equal(draft.propose_pooled(pool, slots, anchors, target, None), draft.propose(caches, anchors, target))
+    assert torch.equal(draft.propose_pooled(pool, slots, anchors, target, None)[0], draft.propose(caches, anchors, target))
     # The slot order does not matter, and a request alone sees only its own context.
     order = [2, 0, 1]
-    alone = draft.propose_pooled(pool, slots[order], anchors[order], target, None)
+    alone = draft.propose_pooled(pool, slots[order], anchors[order], target, None)[0]
     assert torch.equal(alone, draft.propose([caches[i] for i in order], anchors[order], target))
     assert pool.length(10) == 18 and pool.length(20) == 7
 
@@ -104,4 +104,4 @@ def test_pooled_step_equals_the_cache_reference_for_every_variant(variant, tmp_p
         slots = torch.tensor([pool.slot(r) for r in range(3)])
         expected = draft.propose(caches, anchors, target)
         assert expected.shape == (3, spec.num_drafts)
-        assert torch.equal(draft.propose_pooled(pool, slots, anchors, target, None), expected)
+        assert torch.equal(draft.propose_pooled(pool, slots, anchors, target, None)[0], expected)

@@ -18,7 +18,10 @@ ASSETS = REPO / "epdraft" / "assets"
 def _counted_job(rank: int, world: int, layout: str) -> dict:
     from epdraft.config.parallel import load_parallel_config
     from epdraft.dispatch import planner
+    import torch.distributed as dist
+
     from epdraft.parallel.groups import Groups
+    from epdraft.parallel.watchdog import Watchdog
     from epdraft.worker.job import RunJob, run_job
 
     pc = load_parallel_config(REPO / "configs" / "local-cpu-2.toml", [f"draft.moe_layout={layout}"])
@@ -50,7 +53,11 @@ def _counted_job(rank: int, world: int, layout: str) -> dict:
         mock.patch.object(builtins, "open", counting(builtins.open)),
         mock.patch.object(planner, "choose_for_config", counted_choose),
     ):
-        assert run_job(pc, "local-cpu-2.toml", groups, job)
+        watchdog = Watchdog.start_for(dist.group.WORLD, hang_timeout_s=pc.cluster.hang_timeout_s)
+        try:
+            assert run_job(pc, "local-cpu-2.toml", groups, job, watchdog) is None
+        finally:
+            watchdog.stop()
     return reads
 
 

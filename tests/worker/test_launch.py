@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import shutil
 import signal
@@ -18,8 +19,9 @@ import pytest
 from epdraft import launch
 from epdraft.cli import main as cli_main
 from epdraft.config.parallel import load_parallel_config
-from epdraft.errors import ConfigError, Interrupted
+from epdraft.errors import ConfigError, Interrupted, RankFailed
 from epdraft.launch import torchrun_command
+from epdraft.parallel.failure import RankProgress
 from tests.harness import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,7 +40,8 @@ def test_single_node_command_is_standalone():
 
 
 def test_multi_node_command_uses_static_rendezvous_bounded_by_timeout():
-    pc = load_parallel_config(LOCAL_CPU_4, ["cluster.nnodes=2", "cluster.nproc_per_node=2", "cluster.timeout_s=9.5"])
+    pc = load_parallel_config(LOCAL_CPU_4, ["cluster.nnodes=2", "cluster.nproc_per_node=2", "cluster.timeout_s=9.5",
+                                           "cluster.hang_timeout_s=4"])
     cmd = torchrun_command(pc, "c.toml", node_rank=1, master_addr="10.0.0.1", master_port=29555, python="python")
     flags = " ".join(cmd)
     assert "--standalone" not in cmd
@@ -109,7 +112,7 @@ def test_two_launches_form_a_four_rank_world(config_copy):
 def test_missing_node_fails_within_timeout_naming_it(config_copy):
     port = free_port()
     start = time.monotonic()
-    node0 = _launch(config_copy, 0, port, "--set", "cluster.timeout_s=10")
+    node0 = _launch(config_copy, 0, port, "--set", "cluster.timeout_s=10", "--set", "cluster.hang_timeout_s=5")
     try:
         out = node0.communicate(timeout=100)[0]
     finally:
@@ -119,7 +122,7 @@ def test_missing_node_fails_within_timeout_naming_it(config_copy):
     assert elapsed < 40, f"took {elapsed:.0f} s\n{out}"
     assert "1/2 nodes joined, node rank 1 did not join" in out, out
     assert "cluster.timeout_s = 10 s" in out, out
-    assert "--set cluster.nnodes=2 --set cluster.nproc_per_node=2 --set cluster.timeout_s=10` on each" in out, out
+    assert "--set cluster.nnodes=2 --set cluster.nproc_per_node=2 --set cluster.timeout_s=10 --set cluster.hang_timeout_s=5` on each" in out, out
     assert _processes_mentioning(str(config_copy), f"--master-port {port}") == []
 
 
@@ -127,7 +130,7 @@ def test_missing_node_fails_within_timeout_naming_it(config_copy):
 def test_missing_master_fails_naming_node_0(config_copy):
     port = free_port()
     start = time.monotonic()
-    node1 = _launch(config_copy, 1, port, "--set", "cluster.timeout_s=10")
+    node1 = _launch(config_copy, 1, port, "--set", "cluster.timeout_s=10", "--set", "cluster.hang_timeout_s=5")
     try:
         out = node1.communicate(timeout=100)[0]
     finally:
@@ -292,3 +295,51 @@ def _catches(pid: int, sig: signal.Signals) -> bool:
         if line.startswith("SigCgt:"):
             return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
     return False
+
+
+def _failing_rank(rank: int, code: int, message: str, after_s: float = 0.0) -> list[str]:
+    """A stand-in node whose rank writes its reason to the launcher's --failure-dir (the last two
+    arguments), then prints what torchrun would (a traceback) and exits 1."""
+    body = (f"import sys, time; from epdraft.parallel.failure import write_failure; time.sleep({after_s})\n"
+            f"sys.stderr.write('[rank {rank}/4] INFO before the failure\\n'); sys.stderr.flush(); time.sleep(0.5)\n"
+            f"write_failure(sys.argv[sys.argv.index('--failure-dir') + 1], {rank}, {code}, {message!r})\n"
+            f"sys.stderr.write('Traceback (most recent call last):\\nChildFailedError\\n'); sys.exit(1)")  # fmt: skip
+    return [sys.executable, "-c", body]
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("code", [1, 2])
+def test_a_rank_failure_is_its_one_line_reason_with_its_exit_code(capfd, code):
+    # Node 1's rank 2 fails first, node 0's rank 0 after it (it lost rank 2): rank 2's reason is the one.
+    cmds = [_failing_rank(0, 1, "lost rank 2 (heartbeat gone)", after_s=1.5), _failing_rank(2, code, "rank 2: bad")]
+    with pytest.raises(RankFailed, match=r"^rank 2: bad$") as e:
+        launch.run_local_nodes(cmds, TWO_NODE_PC, _node_args())
+    assert e.value.exit_code == code
+    err = capfd.readouterr().err
+    assert "[rank 2/4] INFO before the failure" in err, err
+    assert "Traceback" not in err and "ChildFailedError" not in err, err
+
+
+def test_torchruns_record_of_a_killed_rank_names_it():
+    stream = io.StringIO(
+        "[rank 1/2] INFO serving\n"
+        "E1201 20:41:27.851000 483 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) "
+        "local_rank: 1 (pid: 489) of binary: python\n"
+        "Traceback (most recent call last):\n"
+        "Failures:\n[1]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 488)  (SIGTERM)\n"
+        "Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n"
+        "  exitcode  : -9 (pid: 489)  (SIGKILL)\n  traceback : Signal 9 (SIGKILL) received by PID 489\n"
+    )
+    watcher = launch._StderrWatcher(stream)
+    watcher.run()
+    with pytest.raises(RankFailed, match=r"^rank 1 \(node 0, pid 489\) died: Signal 9 \(SIGKILL\) received by PID 489$"):
+        launch._raise_rank_failure(watcher, 0, 2)
+    exited = launch._StderrWatcher(io.StringIO("Root Cause (first observed failure):\n[0]:\n  rank      : 3 "
+                                               "(local_rank: 1)\n  exitcode  : 2 (pid: 77)\n"))  # fmt: skip
+    exited.run()
+    with pytest.raises(RankFailed, match=r"^rank 3 \(node 1\) exited with code 2; its log above says why$"):
+        launch._raise_rank_failure(exited, 1, 2)
+    watcher.progress = {1: RankProgress(rank=1, step=3, phase="verify")}  # what its heartbeat last wrote
+    with pytest.raises(RankFailed, match=r"^rank 1 \(node 0, pid 489\) died at step 3, phase verify \(its last "
+                                         r"heartbeat\): Signal 9 \(SIGKILL\) received by PID 489$"):
+        launch._raise_rank_failure(watcher, 0, 2)

@@ -1,7 +1,7 @@
 """The run summary: acceptance arithmetic, phase split, and the lossless verdict with its first mismatch."""
 
 from epdraft.worker.serve import assign_prompts
-from epdraft.worker.summary import RankReport, RequestOutcome, format_summary, summarize
+from epdraft.worker.summary import RankReport, RequestOutcome, format_summary, generations, summarize
 
 
 def _report(rank, requests, seconds=2.0, layout="alltoall"):
@@ -34,6 +34,27 @@ def test_summary_names_the_first_differing_position():
 def test_lossless_is_unknown_when_not_checked():
     a = RequestOutcome(request_id=0, rank=0, tokens=[1, 2], accept_lens=[1])
     assert summarize([_report(0, [a])], config="c").lossless is None
+
+
+def test_show_prints_the_first_requests_text_or_their_ids_without_a_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "target")
+    reports = [
+        _report(0, [RequestOutcome(request_id=2, rank=0, tokens=[2, 1], accept_lens=[1])]),
+        _report(1, [RequestOutcome(request_id=0, rank=1, tokens=[1, 2], accept_lens=[1]),
+                    RequestOutcome(request_id=1, rank=1, error="request 1: empty prompt")]),
+    ]  # fmt: skip
+    s = summarize(reports, config="c")
+    s.shown = generations(reports, 2, tokenizer_dir=tmp_path / "target")
+    text = format_summary(s)
+    assert "request 0 (rank 1): 'hello world'" in text and "request 1 (rank 1): refused" in text
+    assert "request 2" not in text
+    s.shown = generations(reports, 1, tokenizer_dir=tmp_path)  # no tokenizer files: ids, nothing guessed
+    assert format_summary(s).endswith("request 0 (rank 1), token ids (the target has no tokenizer): [1, 2]")
 
 
 def test_assign_prompts_balances_load_unevenly_and_deterministically():

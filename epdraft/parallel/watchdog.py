@@ -1,0 +1,303 @@
+"""The hang watchdog: every rank beats through the rendezvous store; a silent peer is named.
+
+Without it a rank that stops (SIGSTOP, a C call holding the GIL, a frozen host) leaves its peers
+in a collective until `cluster.timeout_s`, and a rank that dies leaves them with torch's raw
+"Connection reset by peer [127.0.0.1]:PORT", which names no rank. Each rank runs one background
+thread that writes a `Beat` (a counter, the main thread's last step and phase, its state) to
+the store every `interval_s` and reads every peer's:
+
+- a running peer whose counter has not moved for `hang_timeout_s` is stalled: the thread names it,
+  its last step and phase, sends it SIGUSR1 when it is on this host (the worker's faulthandler
+  prints its stacks) or says how to, and calls `on_stall` (the runner exits, an engine logs);
+- after a collective failed, `lost_error` waits a few beats and names the peers that stopped
+  beating (gone) or that reported a failure first, with the step and phase: a `ParallelError`.
+
+The thread only uses its own clone of the store (no socket shared with the process group's own
+use of it), and `stop` joins it before the world is left.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import msgspec
+import torch.distributed as dist
+
+from epdraft.errors import ParallelError
+
+log = logging.getLogger(__name__)
+
+RUNNING, DONE, FAILED = "running", "done", "failed"
+# Beats a live peer gets to show it still beats, after a collective failed, before it is called gone.
+_LOST_WAIT_BEATS = 3
+# Errors of a collective whose peer went away (gloo, NCCL, the store), when no heartbeat says who.
+_COMM_FAILURE = re.compile(r"Connection (reset|closed)|closed by peer|Broken pipe|[Tt]imed out|NCCL|gloo|Socket")
+# Every watchdog of a process gets the next number; ranks create theirs in the same order, so
+# the n-th watchdogs of every rank share keys and a later one never reads an earlier one's beats.
+_GENERATION = itertools.count()
+
+
+class Beat(msgspec.Struct, frozen=True, array_like=True):
+    """One rank's heartbeat record in the store."""
+
+    count: int
+    step: int
+    phase: str
+    state: str
+    pid: int
+    host: str
+    stacks_on_usr1: bool
+    reason: str = ""
+
+
+class _Peer:
+    """What this rank last saw of a peer, and when (on this rank's monotonic clock) it last moved."""
+
+    def __init__(self, now: float):
+        self.beat: Beat | None = None
+        self.moved_at = now
+        self.stalled = False
+
+
+class Watchdog:
+    """This rank's heartbeat thread and its view of `ranks`' heartbeats.
+
+    Args:
+        store: the rendezvous store every rank of `ranks` reaches (torchrun's TCPStore, or an
+            engine's); the watchdog uses a clone of it.
+        ranks: the global ranks watching each other (this rank among them).
+        hang_timeout_s: how long a running peer may go without a beat before it is named stalled.
+        on_stall: called once, from the thread, with the one-line reason; None: log it.
+        name: the key namespace, so watchdogs over different rank sets never mix.
+        stacks_on_usr1: this process prints its stacks on SIGUSR1 (the worker registers
+            faulthandler for it), so a peer on its host may send it one; elsewhere SIGUSR1 kills.
+        on_progress: called from the thread with (step, phase) when they changed since its last
+            beat (the worker keeps them in the launcher's folder).
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        ranks: Sequence[int],
+        *,
+        rank: int,
+        hang_timeout_s: float,
+        on_stall: Callable[[str], None] | None = None,
+        name: str = "world",
+        stacks_on_usr1: bool = False,
+        on_progress: Callable[[int, str], None] | None = None,
+    ):
+        if rank not in ranks:
+            raise ParallelError(f"watchdog: rank {rank} is not among the ranks it watches {list(ranks)}")
+        self.rank = rank
+        self.ranks = tuple(ranks)
+        self.hang_timeout_s = hang_timeout_s
+        self.interval_s = min(1.0, hang_timeout_s / 10)
+        self.on_stall = on_stall
+        self.stacks_on_usr1 = stacks_on_usr1
+        self.on_progress = on_progress
+        self._reported: tuple[int, str] | None = None
+        self.step, self.phase = -1, "start"
+        self._store = store.clone()
+        # A store that stops answering must not freeze the thread past a beat or two.
+        self._store.set_timeout(datetime.timedelta(seconds=max(2 * self.interval_s, 5.0)))
+        self._prefix = f"epdraft/watchdog/{name}.{next(_GENERATION)}/"
+        self._host = socket.gethostname()
+        self._count = 0
+        self._state, self._reason = RUNNING, ""
+        self._store_lock = threading.Lock()  # the thread beats; the main thread writes the final beat
+        self._view_lock = threading.Lock()
+        now = time.monotonic()
+        self._peers = {r: _Peer(now) for r in self.ranks if r != rank}
+        self._seen: set[int] = set()  # peers whose key exists
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"epdraft-watchdog-{rank}", daemon=True)
+        self._store_broken = False
+
+    @classmethod
+    def start_for(cls, group: dist.ProcessGroup, *, hang_timeout_s: float, **kwargs) -> Watchdog:
+        """A started watchdog over `group`'s ranks, through the default process group's store
+        (`kwargs`: on_stall, name, stacks_on_usr1)."""
+        store = dist.distributed_c10d._get_default_store()
+        wd = cls(store, dist.get_process_group_ranks(group), rank=dist.get_rank(), hang_timeout_s=hang_timeout_s,
+                 **kwargs)  # fmt: skip
+        wd.start()
+        return wd
+
+    def start(self) -> None:
+        self._beat()
+        self._thread.start()
+
+    def progress(self, step: int | None = None, phase: str | None = None) -> None:
+        """Record where the main thread is (read by the next beat; no store access here)."""
+        if step is not None:
+            self.step = step
+        if phase is not None:
+            self.phase = phase
+
+    def fail(self, reason: str) -> None:
+        """Tell the peers this rank failed, and why, before it raises (so they name it, not 'gone')."""
+        self._state, self._reason = FAILED, reason
+        self._beat()
+
+    def stop(self) -> None:
+        """Join the thread and leave a final beat (`done`, or `failed` after `fail`). Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if self._state == RUNNING:
+            self._state = DONE
+        self._beat()
+        self._store = None
+
+    # The thread.
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._beat()
+            self._watch()
+            if self.on_progress is not None and (now := (self.step, self.phase)) != self._reported:
+                self._reported = now
+                try:
+                    self.on_progress(*now)
+                except OSError as e:  # a full or vanished folder costs the launcher a detail, not the run
+                    log.warning("watchdog: progress not recorded: %s", e)
+                    self.on_progress = None
+
+    def _key(self, rank: int) -> str:
+        return f"{self._prefix}{rank}"
+
+    def _beat(self) -> None:
+        if self._store is None or self._store_broken:
+            return
+        try:
+            with self._store_lock:
+                self._count += 1
+                beat = Beat(self._count, self.step, self.phase, self._state, os.getpid(), self._host,
+                            self.stacks_on_usr1, self._reason)  # fmt: skip
+                self._store.set(self._key(self.rank), msgspec.msgpack.encode(beat))
+        except RuntimeError as e:  # the store's host is gone: the collectives will say so
+            self._store_broken = True
+            log.warning("watchdog: the rendezvous store stopped answering (%s); heartbeats stop", e)
+
+    def _read(self) -> dict[int, Beat]:
+        """Every peer's last beat, in one round trip once all have beaten (a missing key would block a get)."""
+        with self._store_lock:
+            self._seen |= {r for r in self._peers if r not in self._seen and self._store.check([self._key(r)])}
+            ranks = sorted(self._seen)
+            values = self._store.multi_get([self._key(r) for r in ranks]) if ranks else []
+        return {r: msgspec.msgpack.decode(v, type=Beat) for r, v in zip(ranks, values)}
+
+    def _watch(self) -> None:
+        if self._store_broken:
+            return
+        try:
+            beats = self._read()
+        except RuntimeError:
+            return  # a slow store: the next round reads again
+        now = time.monotonic()
+        stalled = []
+        with self._view_lock:
+            for r, peer in self._peers.items():
+                beat = beats.get(r)
+                if beat is not None and (peer.beat is None or beat.count != peer.beat.count):
+                    peer.beat, peer.moved_at = beat, now
+                if peer.stalled or (peer.beat is not None and peer.beat.state != RUNNING):
+                    continue
+                if now - peer.moved_at > self.hang_timeout_s:
+                    peer.stalled = True
+                    stalled.append((r, peer.beat, now - peer.moved_at))
+        if stalled:
+            self._report_stall(stalled)
+
+    def _report_stall(self, stalled: list[tuple[int, Beat | None, float]]) -> None:
+        parts = []
+        for r, beat, silent_s in stalled:
+            if beat is None:
+                parts.append(f"rank {r} never sent a heartbeat in {silent_s:.0f} s")
+                continue
+            where = f"last at step {beat.step}, phase {beat.phase}" if beat.step >= 0 else f"last in phase {beat.phase}"
+            parts.append(f"rank {r} stalled: no heartbeat for {silent_s:.0f} s, {where}; {self._ask_stacks(beat)}")
+        message = (
+            f"{'; '.join(parts)} (cluster.hang_timeout_s = {self.hang_timeout_s:g}; noticed by rank {self.rank} "
+            f"at step {self.step}, phase {self.phase})"
+        )
+        if self.on_stall is None:
+            log.error("%s", message)
+        else:
+            self.on_stall(message)
+
+    def _ask_stacks(self, beat: Beat) -> str:
+        """SIGUSR1 a peer on this host (its faulthandler prints every thread's stack); elsewhere say how.
+
+        Then SIGCONT: a stopped rank (SIGSTOP, Ctrl-Z) handles neither the SIGUSR1 nor the
+        launcher's SIGTERM until it runs again, and would hold the teardown for its grace period.
+        """
+        if not beat.stacks_on_usr1:
+            return f"pid {beat.pid} on host {beat.host}"
+        if beat.host == self._host:
+            try:
+                os.kill(beat.pid, signal.SIGUSR1)
+                os.kill(beat.pid, signal.SIGCONT)
+                return f"sent SIGUSR1 to its pid {beat.pid} on this host to print its stacks"
+            except OSError:
+                pass
+        return f"`kill -USR1 {beat.pid}` on host {beat.host} prints its stacks"
+
+    # After a collective failed (main thread).
+
+    def lost_error(self, e: BaseException, *, what: str = "a collective") -> ParallelError | None:
+        """Name who this rank lost when `what` failed with `e`: the peers that reported a failure,
+        the peers whose heartbeat is gone (waiting up to a few beats for the living to beat), the
+        peers already named stalled. Returns None when no peer is missing and `e` does not read
+        as a communication failure (a plain bug: the caller re-raises it)."""
+        deadline = time.monotonic() + (_LOST_WAIT_BEATS + 1) * self.interval_s + 0.5
+        with self._view_lock:
+            counts = {r: p.beat.count if p.beat is not None else 0 for r, p in self._peers.items()}
+        while True:
+            # Alive: two beats past the failure (a dead peer's last beat may still be read once after it).
+            with self._view_lock:
+                pending = [
+                    r for r, p in self._peers.items()
+                    if (p.beat.count if p.beat is not None else 0) < counts[r] + 2 and not p.stalled
+                    and (p.beat is None or p.beat.state == RUNNING)
+                ]  # fmt: skip
+            if not pending or time.monotonic() >= deadline or not self._thread.is_alive():
+                break
+            time.sleep(self.interval_s / 4)
+        failed, gone, stalled, behind = [], [], [], []
+        with self._view_lock:
+            for r, p in sorted(self._peers.items()):
+                b = p.beat
+                where = "" if b is None else (f"step {b.step}, phase {b.phase}" if b.step >= 0 else f"phase {b.phase}")
+                if b is not None and b.state == FAILED:
+                    failed.append(f"rank {r} failed at {where}: {b.reason}")
+                elif b is not None and b.state == DONE:
+                    continue
+                elif p.stalled:
+                    stalled.append(f"rank {r} (stalled at {where})" if where else f"rank {r} (stalled)")
+                elif r in pending:
+                    gone.append(f"rank {r} (heartbeat gone, last at {where})" if where else f"rank {r} (never beat)")
+                elif b is not None and (b.step, b.phase) != (self.step, self.phase):
+                    behind.append(f"rank {r} at {where}")
+        here = f"rank {self.rank} at step {self.step}, phase {self.phase}"
+        cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        if failed:
+            return ParallelError(f"{failed[0]} ({what} failed on {here}: {cause})")
+        if gone or stalled:
+            return ParallelError(f"lost {', '.join(gone + stalled)}: {what} failed on {here}: {cause}")
+        if _COMM_FAILURE.search(str(e)):
+            others = f"; peers elsewhere: {', '.join(behind)}" if behind else ""
+            return ParallelError(f"{what} failed on {here}, every peer still beats{others}: {cause}")
+        return None
