@@ -17,8 +17,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from epdraft.dispatch.alltoall import AllToAllDispatcher
 from epdraft.dispatch.base import Dispatched
-from epdraft.dispatch.layout import MoeLayout
 from epdraft.dispatch.plan import StepPlan
 from epdraft.dispatch.rows import group_counts, pack_route, unpack_route
 
@@ -40,20 +40,9 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).view(t.shape[0], -1)
 
 
-class FixedAllToAllDispatcher:
-    """Equal-split all_to_all_single dispatch/combine over the EP group (whole experts per rank, moe_tp = 1)."""
-
-    def __init__(self, layout: MoeLayout, group: dist.ProcessGroup):
-        self.layout = layout
-        self.group = group
-        self.group_size = dist.get_world_size(group)
-        self.first_expert = layout.first_expert
-
-    @staticmethod
-    def unsupported_reason(layout: MoeLayout, group: dist.ProcessGroup) -> str | None:
-        if layout.tp_size > 1:
-            return f"torch_fixed sends tokens to whole experts; draft.moe_tp = {layout.tp_size} splits them (use gather)"
-        return None
+class FixedAllToAllDispatcher(AllToAllDispatcher):
+    """Equal-split all_to_all_single dispatch/combine over the EP group (whole experts per rank,
+    moe_tp = 1): the exact dispatcher's placement and checks, its own two collectives."""
 
     def dispatch(
         self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, plan: StepPlan | None
@@ -109,5 +98,3 @@ class FixedAllToAllDispatcher:
         picked_GTH = back_GCH.gather(1, handle.slot_GT.unsqueeze(-1).expand(-1, -1, H))
         return picked_GTH.sum(dim=0).to(expert_out_RH.dtype)
 
-    def close(self) -> None:
-        """Nothing to free: buffers are per call."""

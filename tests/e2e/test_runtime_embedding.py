@@ -133,7 +133,7 @@ def _dies_mid_dispatch(rank: int, world: int, out: str) -> None:
         "target": {"dp": world},
     })  # fmt: skip
     runtime = DraftRuntime.build(draft_dir, target, groups=groups, layout=MoeLayout.resolve(pc, spec.ffn, groups),
-                                 spec=spec)  # fmt: skip
+                                 spec=spec, max_requests=4, max_context=512)  # fmt: skip
     steps = {"now": 0}
     if rank == 1:
         dispatcher = next(m.dispatcher for m in runtime.draft.modules() if isinstance(m, DraftMoE))
