@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-cache-path", action="store_true", help="skip the cache-based eager step (slow at large N)")
+    parser.add_argument("--attention", action="store_true",
+                        help="also time one layer's block attention alone: the Triton kernel against SDPA")
     parser.add_argument("--json", type=Path, help="append the JSON lines to this file")
     parser.add_argument("--plot", type=Path, help="write step time vs N against the floor to this PNG")
 
@@ -200,6 +202,8 @@ def main(args: argparse.Namespace) -> int:
                   f"{ratio}{kernels:>9}{'' if same else '  graph != eager'}")  # fmt: skip
         del graphs, pool
         torch.cuda.empty_cache()
+    if args.attention:
+        results += _attention_table(spec, requests, contexts, args, device)
     for row in results:
         print(json.dumps(row))
     if args.json:
@@ -208,6 +212,38 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(results, args.plot)
     return 0
+
+
+def _attention_table(spec, requests: list[int], contexts: list[int], args, device: torch.device) -> list[dict]:
+    """One layer's block attention, Triton kernel vs SDPA (on K/V already gathered, and with the
+    gather a pool needs), against the K/V bytes it must read (its floor)."""
+    from epdraft.kernels.attention import block_attention, block_attention_reference
+
+    h, g, D, B = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size
+    print(f"block attention, one layer: h {h}, g {g}, D {D}, B {B}, bf16")
+    print(f"{'N':>5}{'context':>9}{'triton us':>11}{'sdpa us':>10}{'sdpa+gather us':>16}{'floor us':>10}{'triton/floor':>14}")
+    rows = []
+    for context in contexts:
+        for n in requests:
+            k = torch.randn(n + 1, g, context + B, D, device=device, dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            q = torch.randn(n, h, B, D, device=device, dtype=torch.bfloat16)
+            slots = torch.arange(n, device=device)
+            lens = torch.full((n,), context + B, device=device)
+            k_n, v_n = k[:n].contiguous(), v[:n].contiguous()
+            mask = torch.ones(n, 1, B, context + B, dtype=torch.bool, device=device)
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            triton_us = 1e3 * _time_ms(lambda: block_attention(q, k, v, slots, lens), args.steps, args.warmup)
+            sdpa_us = 1e3 * _time_ms(lambda: sdpa(q, k_n, v_n, attn_mask=mask, enable_gqa=True), args.steps, args.warmup)
+            gather_us = 1e3 * _time_ms(lambda: block_attention_reference(q, k, v, slots, lens), args.steps, args.warmup)
+            kv_bytes = 2 * n * g * (context + B) * D * 2
+            floor_us = kv_bytes / HBM_BYTES_PER_S * 1e6
+            print(f"{n:>5}{context:>9}{triton_us:>11.1f}{sdpa_us:>10.1f}{gather_us:>16.1f}{floor_us:>10.1f}"
+                  f"{triton_us / floor_us:>14.2f}")  # fmt: skip
+            rows.append(dict(kind="attention", requests=n, context=context, triton_us=triton_us, sdpa_us=sdpa_us,
+                             sdpa_gather_us=gather_us, floor_us=floor_us, kv_bytes=kv_bytes))  # fmt: skip
+            del k, v, k_n, v_n
+    return rows
 
 
 def _caches_from_pool(draft, pool, n: int, context: int):
