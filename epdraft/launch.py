@@ -37,7 +37,6 @@ from typing import IO, Callable, Sequence
 
 from epdraft.config.parallel import ParallelConfig, load_parallel_config
 from epdraft.errors import ConfigError, Interrupted, RankFailed
-from epdraft.parallel.address import is_loopback
 from epdraft.parallel.failure import any_failure, read_failures, read_progress
 
 log = logging.getLogger(__name__)
