@@ -48,7 +48,8 @@ _MIN_PROGS = 128  # fewer experts per program while there are at most this many 
 _sync_scratch: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (Triton tile and grid sizes)."""
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -73,10 +74,10 @@ def align_pairs(ids_P: torch.Tensor, num_experts: int, block_m: int) -> AlignedP
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    experts_per_prog = min(_EXPERTS_PER_PROG, _next_pow2(-(-num_experts // _MIN_PROGS)))
+    experts_per_prog = min(_EXPERTS_PER_PROG, next_pow2(-(-num_experts // _MIN_PROGS)))
     num_progs = -(-num_experts // experts_per_prog)
-    max_progs = max(_MIN_PROGS, _next_pow2(num_progs))
-    chunk = max(16, min(_next_pow2(num_pairs), 4096))
+    max_progs = max(_MIN_PROGS, next_pow2(num_progs))
+    chunk = max(16, min(next_pow2(num_pairs), 4096))
     align_kernel[(num_progs,)](
         ids_P,
         sorted_pairs,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from epdraft.errors import ConfigError
+from epdraft.kernels.align import next_pow2
 
 _BLOCK_S = 64
 _TARGET_PROGRAMS = 264  # two per H200 SM: enough splits that a small batch still fills the GPU
@@ -110,7 +111,7 @@ def _launch(q_NhBD, k_NgSD, v_NgSD, slots_N, kv_lens_N) -> torch.Tensor:
     N, h, B, D = q_NhBD.shape
     g, S = k_NgSD.shape[1], k_NgSD.shape[2]
     G = h // g
-    rows = max(16, triton_next_pow2(G * B))
+    rows = max(16, next_pow2(G * B))
     splits = num_splits_for(N, g, S)
     chunk = math.ceil(math.ceil(S / splits) / _BLOCK_S) * _BLOCK_S
     acc = q_NhBD.new_empty(N, g, splits, rows, D, dtype=torch.float32)
@@ -125,7 +126,7 @@ def _launch(q_NhBD, k_NgSD, v_NgSD, slots_N, kv_lens_N) -> torch.Tensor:
             stat.stride(0), stat.stride(1), stat.stride(2),
             D**-0.5 * math.log2(math.e),
             chunk,
-            G=G, B=B, D=D, ROWS=rows, BLOCK_S=_BLOCK_S, BLOCK_D=max(16, triton_next_pow2(D)),
+            G=G, B=B, D=D, ROWS=rows, BLOCK_S=_BLOCK_S, BLOCK_D=max(16, next_pow2(D)),
             PRECISION="ieee" if q_NhBD.dtype == torch.float32 else "tf32",  # fp32 means fp32, not TF32
         )  # fmt: skip
     # Merge the splits: weights 2^(m_s - M) rescale each split's sums to the common max M.
@@ -133,8 +134,3 @@ def _launch(q_NhBD, k_NgSD, v_NgSD, slots_N, kv_lens_N) -> torch.Tensor:
     w = torch.exp2(m - m.amax(dim=2, keepdim=True))
     out = (acc * w.unsqueeze(-1)).sum(dim=2) / (l * w).sum(dim=2).clamp_min(1e-30).unsqueeze(-1)
     return out[:, :, : G * B].view(N, g, G, B, D).reshape(N, h, B, D).to(q_NhBD.dtype)
-
-
-def triton_next_pow2(n: int) -> int:
-    """The smallest power of two >= n (Triton's tile sizes), without importing Triton."""
-    return 1 << max(0, (n - 1).bit_length())

@@ -75,12 +75,22 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, rms_norm_eps, **kw)
         self.k_norm = RMSNorm(head_dim, rms_norm_eps, **kw)
 
-    def _kv(self, x_NTH: torch.Tensor, positions_NT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv(
+        self, x_NTH: torch.Tensor, positions_NT: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         N, T, _ = x_NTH.shape
         k = self.k_norm(self.k_proj(x_NTH).view(N, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x_NTH).view(N, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions_NT, self.head_dim, self.rope_theta)
+        cos, sin = rope if rope is not None else rope_cos_sin(positions_NT, self.head_dim, self.rope_theta)
         return apply_rope(k, cos, sin), v
+
+    def _block_qkv(self, x_NQH: torch.Tensor, positions_NQ: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q [N, h, Q, D] and the block's own k, v [N, g, Q, D] (q, k normed and rotated: one rotary table)."""
+        N, Q, _ = x_NQH.shape
+        q = self.q_norm(self.q_proj(x_NQH).view(N, Q, self.num_heads, self.head_dim)).transpose(1, 2)
+        rope = rope_cos_sin(positions_NQ, self.head_dim, self.rope_theta)
+        k_blk, v_blk = self._kv(x_NQH, positions_NQ, rope)
+        return apply_rope(q, *rope), k_blk, v_blk
 
     def context_kv(self, target_hidden_NLH: torch.Tensor, positions_NL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [N, g, L, D] of the fused target hidden [N, L, H] at positions [N, L] (k: normed + RoPE)."""
@@ -100,10 +110,7 @@ class DFlashAttention(nn.Module):
         None = every query sees every key (inference: context is all before the anchor).
         """
         N, Q, _ = x_NQH.shape
-        q = self.q_norm(self.q_proj(x_NQH).view(N, Q, self.num_heads, self.head_dim)).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions_NQ, self.head_dim, self.rope_theta)
-        q = apply_rope(q, cos, sin)
-        k_blk, v_blk = self._kv(x_NQH, positions_NQ)
+        q, k_blk, v_blk = self._block_qkv(x_NQH, positions_NQ)
         k = torch.cat([k_ctx_NgLD, k_blk], dim=2)
         v = torch.cat([v_ctx_NgLD, v_blk], dim=2)
         mask = None if allowed_NQS is None else allowed_NQS.unsqueeze(1)
@@ -128,10 +135,7 @@ class DFlashAttention(nn.Module):
         int64 on x's device. No host sync on CUDA.
         """
         N, Q, _ = x_NQH.shape
-        q = self.q_norm(self.q_proj(x_NQH).view(N, Q, self.num_heads, self.head_dim)).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions_NQ, self.head_dim, self.rope_theta)
-        q = apply_rope(q, cos, sin)
-        k_blk, v_blk = self._kv(x_NQH, positions_NQ)
+        q, k_blk, v_blk = self._block_qkv(x_NQH, positions_NQ)
         index = (slots_N.unsqueeze(1), slice(None), positions_NQ)
         pool_k_PgCD[index] = k_blk.transpose(1, 2).to(pool_k_PgCD.dtype)
         pool_v_PgCD[index] = v_blk.transpose(1, 2).to(pool_v_PgCD.dtype)

@@ -99,11 +99,15 @@ class DFlashLayer(nn.Module):
 
         input_ids_NQ: the rows' token ids, which a hash-routed MoE layer routes by (else unused).
         """
-        N, Q, H = x_NQH.shape
-        if N:
+        if x_NQH.shape[0]:
             x_NQH = x_NQH + self.self_attn(
                 self.input_layernorm(x_NQH), positions_NQ, k_ctx_NgLD, v_ctx_NgLD, allowed_NQS
             )
+        return self._ffn(x_NQH, plan, input_ids_NQ)
+
+    def _ffn(self, x_NQH: torch.Tensor, plan: StepPlan | None, input_ids_NQ: torch.Tensor | None) -> torch.Tensor:
+        """x + ffn(norm x) over all N * Q rows at once."""
+        N, Q, H = x_NQH.shape
         # The FFN runs even with no rows: a MoE layer's collectives must be entered by every rank.
         h_TH = self.post_attention_layernorm(x_NQH).reshape(N * Q, H)
         if self.token_routed:
@@ -125,18 +129,11 @@ class DFlashLayer(nn.Module):
         input_ids_NQ: torch.Tensor,
     ) -> torch.Tensor:
         """`forward` with the context read in place from `pool` (see DFlashAttention.forward_pooled)."""
-        N, Q, H = x_NQH.shape
-        if N:
+        if x_NQH.shape[0]:
             x_NQH = x_NQH + self.self_attn.forward_pooled(
                 self.input_layernorm(x_NQH), positions_NQ, pool.k[layer_id], pool.v[layer_id], slots_N, self.window
             )
-        # The FFN runs even with no rows: a MoE layer's collectives must be entered by every rank.
-        h_TH = self.post_attention_layernorm(x_NQH).reshape(N * Q, H)
-        if self.token_routed:
-            y_TH = self.mlp(h_TH, plan, input_ids_NQ.reshape(N * Q))
-        else:
-            y_TH = self.mlp(h_TH, plan)
-        return x_NQH + y_TH.view(N, Q, H)
+        return self._ffn(x_NQH, plan, input_ids_NQ)
 
 
 class DFlashDraft(nn.Module):
@@ -193,22 +190,26 @@ class DFlashDraft(nn.Module):
         """`extend_context` for many requests at once: one fc and one K/V projection per layer over
         all their new rows (rows are independent: each keeps its own request's positions), then
         each request's slice goes to its cache. Per-request calls are launch-bound on a GPU."""
+        # A sliding layer's cache keeps only the last W-1 of these rows (DraftCache.append).
+        for layer, i, k_gLD, v_gLD in self._context_rows([c.length for c in caches], features):
+            caches[i].append(layer, k_gLD, v_gLD)
+        for cache, f in zip(caches, features):
+            cache.length += f.shape[0]
+
+    def _context_rows(self, starts: Sequence[int], features: Sequence[torch.Tensor]):
+        """Yield (layer, request index, k [g, L, D], v) of every request's new rows, request i's
+        at positions starts[i]..: one fc and one K/V projection per layer over all the rows."""
         lens = [f.shape[0] for f in features]
         if sum(lens) == 0:
             return
         device = features[0].device
         target_hidden = self.fuse_features(torch.cat(list(features))).unsqueeze(0)
-        positions = torch.cat(
-            [torch.arange(c.length, c.length + n, device=device) for c, n in zip(caches, lens)]
-        ).unsqueeze(0)
-        for i, layer in enumerate(self.layers):
+        positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, lens)]).unsqueeze(0)
+        for layer_id, layer in enumerate(self.layers):
             k, v = layer.self_attn.context_kv(target_hidden, positions)
-            # A sliding layer's cache keeps only the last W-1 of these rows (DraftCache.append).
-            for cache, k_gLD, v_gLD in zip(caches, k[0].split(lens, dim=1), v[0].split(lens, dim=1)):
+            for i, (k_gLD, v_gLD) in enumerate(zip(k[0].split(lens, dim=1), v[0].split(lens, dim=1))):
                 if k_gLD.shape[1]:
-                    cache.append(i, k_gLD, v_gLD)
-        for cache, n in zip(caches, lens):
-            cache.length += n
+                    yield layer_id, i, k_gLD, v_gLD
 
     def new_pool(self, *, max_requests: int, max_context: int) -> KVPool:
         """A KV pool for this draft's context K/V, in its weights' dtype and device."""
@@ -225,23 +226,14 @@ class DFlashDraft(nn.Module):
         Raises RequestError naming draft.max_context (before writing anything) when a request's
         rows do not fit.
         """
-        lens = [f.shape[0] for f in features]
-        for rid, n in zip(request_ids, lens):
-            pool.check_room(rid, n)
-        if sum(lens) == 0:
-            return
-        device = features[0].device
+        for rid, f in zip(request_ids, features):
+            pool.check_room(rid, f.shape[0])
         starts = [pool.length(rid) for rid in request_ids]
-        target_hidden = self.fuse_features(torch.cat(list(features))).unsqueeze(0)
-        positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, lens)]).unsqueeze(0)
         slots = [pool.slot(rid) for rid in request_ids]
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.context_kv(target_hidden, positions)
-            for slot, start, k_gLD, v_gLD in zip(slots, starts, k[0].split(lens, dim=1), v[0].split(lens, dim=1)):
-                if k_gLD.shape[1]:
-                    pool.write(i, slot, start, k_gLD, v_gLD)
-        for rid, n in zip(request_ids, lens):
-            pool.commit(rid, n)
+        for layer, i, k_gLD, v_gLD in self._context_rows(starts, features):
+            pool.write(layer, slots[i], starts[i], k_gLD, v_gLD)
+        for rid, f in zip(request_ids, features):
+            pool.commit(rid, f.shape[0])
 
     @torch.no_grad()
     def propose_pooled(
@@ -254,11 +246,8 @@ class DFlashDraft(nn.Module):
 
         No host sync on CUDA and shapes that depend on N only: a CUDA graph can hold it.
         """
-        N, B = slots_N.shape[0], self.spec.block_size
-        device = self.device
-        ids_NB = torch.full((N, B), self.spec.mask_token_id, dtype=torch.long, device=device)
-        ids_NB[:, 0] = anchors_N
-        x = heads.embed(ids_NB).to(self.fc.weight.dtype)
+        B, device = self.spec.block_size, self.device
+        ids_NB, x = self._embed_blocks(anchors_N, heads)
         positions_NB = pool.lengths[slots_N].long().unsqueeze(1) + torch.arange(B, device=device)
         finite_L = []
         for i, layer in enumerate(self.layers):
@@ -300,6 +289,13 @@ class DFlashDraft(nn.Module):
         """Final-normed hidden [N, B, H] of the blocks [anchor, MASK x (B-1)] over each request's context."""
         return self._block_hidden(caches, anchors_N, heads, plan)[0]
 
+    def _embed_blocks(self, anchors_N: torch.Tensor, heads: TargetHeads) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks [anchor, MASK x (B-1)]: ids [N, B] and their target embeddings [N, B, H]."""
+        ids_NB = torch.full((anchors_N.shape[0], self.spec.block_size), self.spec.mask_token_id, dtype=torch.long,
+                            device=self.device)  # fmt: skip
+        ids_NB[:, 0] = anchors_N.to(self.device)
+        return ids_NB, heads.embed(ids_NB).to(self.fc.weight.dtype)
+
     def _block_hidden(
         self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,11 +303,8 @@ class DFlashDraft(nn.Module):
 
         The flags stay on the device (no host sync per layer); `propose` reads them once.
         """
-        N, B = len(caches), self.spec.block_size
-        device = self.fc.weight.device
-        ids_NB = torch.full((N, B), self.spec.mask_token_id, dtype=torch.long, device=device)
-        ids_NB[:, 0] = anchors_N.to(device)
-        x = heads.embed(ids_NB).to(self.fc.weight.dtype)
+        B, device = self.spec.block_size, self.device
+        ids_NB, x = self._embed_blocks(anchors_N, heads)
         starts = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
         positions_NB = starts.unsqueeze(1) + torch.arange(B, device=device)
         # One mask and one scratch per attention kind (full, or the sliding window): their widths differ.
