@@ -1,7 +1,7 @@
 """Block attention of a draft step: each request's B block rows attend, non-causally, to the first
 `kv_lens[n]` keys of its KV pool slot `slots[n]` (its context, then the block itself), in place.
 
-`block_attention` is the Triton kernel (CUDA; split-K over keys with an fp32 merge, no host
+`block_attention` is the Triton kernel (CUDA; split-K over keys, then one merge launch, no host
 sync, a grid that depends on shapes only, so a CUDA graph can hold it); `block_attention_reference`
 is the same contract through torch's SDPA with a length mask (any device, the tests' oracle).
 """
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from epdraft.errors import ConfigError
 from epdraft.kernels.align import next_pow2
+from epdraft.kernels.step_ops import merge_attention_splits
 
 _BLOCK_S = 64
 _TARGET_PROGRAMS = 264  # two per H200 SM: enough splits that a small batch still fills the GPU
@@ -93,7 +94,8 @@ def block_attention(
 
     q_NhBD: [N, h, B, D] block queries (normed, rotated); k_PgSD / v_PgSD: [P, g, S, D] pool
     tensors with the last dim contiguous; slots_N, kv_lens_N: [N] ints on q's device, each length
-    in [1, S]. Reads no key past a request's length; no host sync. Returns [N, h, B, D] in q's dtype.
+    in [1, S]. Reads no key past a request's length; no host sync. Returns [N, h, B, D] in q's dtype
+    (a transposed view of [N, B, h, D] memory).
     """
     _check(q_NhBD, k_PgSD, v_PgSD, slots_N, kv_lens_N)
     if not q_NhBD.is_cuda:
@@ -102,7 +104,7 @@ def block_attention(
 
 
 def _launch(q_NhBD, k_NgSD, v_NgSD, slots_N, kv_lens_N) -> torch.Tensor:
-    """The kernel launch and the split merge (also what Triton's CPU interpreter runs in development)."""
+    """The split launch and the merge launch (also what Triton's CPU interpreter runs in development)."""
     from epdraft.kernels._attention_triton import block_attention_split_kernel
 
     for name, t in (("q", q_NhBD), ("k", k_NgSD), ("v", v_NgSD)):
@@ -129,8 +131,7 @@ def _launch(q_NhBD, k_NgSD, v_NgSD, slots_N, kv_lens_N) -> torch.Tensor:
             G=G, B=B, D=D, ROWS=rows, BLOCK_S=_BLOCK_S, BLOCK_D=max(16, next_pow2(D)),
             PRECISION="ieee" if q_NhBD.dtype == torch.float32 else "tf32",  # fp32 means fp32, not TF32
         )  # fmt: skip
-    # Merge the splits: weights 2^(m_s - M) rescale each split's sums to the common max M.
-    m, l = stat[..., 0], stat[..., 1]
-    w = torch.exp2(m - m.amax(dim=2, keepdim=True))
-    out = (acc * w.unsqueeze(-1)).sum(dim=2) / (l * w).sum(dim=2).clamp_min(1e-30).unsqueeze(-1)
-    return out[:, :, : G * B].view(N, g, G, B, D).reshape(N, h, B, D).to(q_NhBD.dtype)
+    # [N, B, h, D] memory, returned as its [N, h, B, D] view: the o_proj reads it without a copy
+    out_NBhD = q_NhBD.new_empty(N, B, h, D)
+    merge_attention_splits(acc, stat, out_NBhD, G, B)
+    return out_NBhD.transpose(1, 2)

@@ -9,8 +9,17 @@ from torch import nn
 
 from epdraft.dispatch.plan import StepPlan
 from epdraft.config.ffn import ActivationSpec
+from epdraft.kernels.step_ops import ffn_residual
+from epdraft.kernels.step_ops import gated_act as fused_gated_act
 from epdraft.layers.activations import gated_act
 from epdraft.loading import TensorSource, check_ffn_loaded, load_into
+
+
+def gate_output(y_TH: torch.Tensor, gate_T1: torch.Tensor | None) -> torch.Tensor:
+    """sigmoid(gate) * y in fp32, rounded to y's dtype (the Qwen2/3.5 shared-expert gate); y when ungated."""
+    if gate_T1 is None:
+        return y_TH
+    return (torch.sigmoid(gate_T1.float()) * y_TH.float()).to(y_TH.dtype)
 
 
 class DraftMLP(nn.Module):
@@ -46,14 +55,29 @@ class DraftMLP(nn.Module):
         self.requires_grad_(False)
         self.loaded_pieces: set = set()
 
-    def forward(self, x_TH: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
-        """x_TH [T, H] -> [T, H] in x's dtype; T may be 0. `plan` is unused (a dense FFN never
-        communicates); it is taken so every FFN of a draft layer is called alike."""
-        h_TI = gated_act(self.gate_proj(x_TH), self.up_proj(x_TH), self.activation).to(x_TH.dtype)
-        y_TH = self.down_proj(h_TI)
-        if self.output_gate is not None:
-            y_TH = (torch.sigmoid(self.output_gate(x_TH).float()) * y_TH.float()).to(x_TH.dtype)
-        return y_TH
+    def forward(
+        self, x_TH: torch.Tensor, plan: StepPlan | None = None, *, residual_TH: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x_TH [T, H] -> [T, H] in x's dtype, plus `residual_TH` when given (the layer's residual
+        add, fused on CUDA); T may be 0. `plan` is unused (a dense FFN never communicates); it is
+        taken so every FFN of a draft layer is called alike."""
+        y_TH, gate_T1 = self.ungated(x_TH)
+        if x_TH.is_cuda and (residual_TH is not None or gate_T1 is not None):
+            return ffn_residual(residual_TH, None, y_TH, gate_T1)
+        y_TH = gate_output(y_TH, gate_T1)
+        return y_TH if residual_TH is None else residual_TH + y_TH
+
+    def ungated(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(down(act(gate x, up x)) [T, H], the output gate's logits [T, 1] or None): the MLP before
+        its output gate, which a caller may fuse into its own add (`DraftMoE` does)."""
+        gate_TI, up_TI = self.gate_proj(x_TH), self.up_proj(x_TH)
+        if x_TH.is_cuda:
+            act = self.activation
+            h_TI = fused_gated_act(gate_TI, up_TI, act.kind == "swiglu", act.limit, act.alpha)
+        else:
+            h_TI = gated_act(gate_TI, up_TI, self.activation).to(x_TH.dtype)
+        gate_T1 = self.output_gate(x_TH) if self.output_gate is not None else None
+        return self.down_proj(h_TI), gate_T1
 
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | TensorSource) -> set[str]:
         """Copy this layer's tensors from any accepted naming; returns the names consumed, ignores others."""

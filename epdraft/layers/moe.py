@@ -9,7 +9,8 @@ from torch import nn
 
 from epdraft.config.ffn import DraftMoeFFNSpec
 from epdraft.dispatch import Dispatcher, MoeLayout, ReplicatedDispatcher, StepPlan
-from epdraft.layers.mlp import DraftMLP
+from epdraft.kernels.step_ops import ffn_residual
+from epdraft.layers.mlp import DraftMLP, gate_output
 from epdraft.layers.routed_experts import RoutedExperts, experts_storage
 from epdraft.layers.router import Router
 from epdraft.loading import ExpertShard, TensorSource, check_ffn_loaded, load_into
@@ -80,11 +81,18 @@ class DraftMoE(nn.Module):
         return self.experts.shard
 
     def forward(
-        self, x_TH: torch.Tensor, plan: StepPlan | None = None, input_ids_T: torch.Tensor | None = None
+        self,
+        x_TH: torch.Tensor,
+        plan: StepPlan | None = None,
+        input_ids_T: torch.Tensor | None = None,
+        *,
+        residual_TH: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x_TH [T, H] -> [T, H] in x's dtype; `plan` is the step's agreed row counts (any
-        communicating layout needs it, replicated ignores it); input_ids_T [T] int64 the rows' token
-        ids, which a hash-routed layer routes by (routing is local, before dispatch: no layout needs them).
+        """x_TH [T, H] -> [T, H] in x's dtype, plus `residual_TH` when given (the layer's residual
+        add: on CUDA it rides in one launch with the shared expert's gate and add); `plan` is the
+        step's agreed row counts (any communicating layout needs it, replicated ignores it);
+        input_ids_T [T] int64 the rows' token ids, which a hash-routed layer routes by (routing is
+        local, before dispatch: no layout needs them).
 
         T = 0 still routes, dispatches and combines: every rank of the MoE group enters every
         collective of every layer, or the ranks with tokens hang.
@@ -93,9 +101,12 @@ class DraftMoE(nn.Module):
         dispatcher = self.dispatcher
         handle = dispatcher.dispatch(x_TH, ids_TK, weights_TK, plan)
         y_TH = dispatcher.combine(self.experts(handle.rows_RH, handle.ids_RK, handle.weights_RK), handle)
-        if self.shared is not None:
-            y_TH = y_TH + self.shared(x_TH)
-        return y_TH
+        shared_TH, gate_T1 = self.shared.ungated(x_TH) if self.shared is not None else (None, None)
+        if x_TH.is_cuda and (shared_TH is not None or residual_TH is not None):
+            return ffn_residual(residual_TH, y_TH, shared_TH, gate_T1)
+        if shared_TH is not None:
+            y_TH = y_TH + gate_output(shared_TH, gate_T1)
+        return y_TH if residual_TH is None else residual_TH + y_TH
 
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | TensorSource) -> set[str]:
         """Copy this layer's tensors (only this rank's experts and slice) from any accepted naming.

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epdraft.kernels.attention import block_attention, block_attention_reference, sliding_block_attention
+from epdraft.kernels.step_ops import qk_norm_rope_store, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -22,6 +23,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return rms_norm(x, self.weight, self.eps)[0]
+        return self.reference(x)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + delta), x + delta): the residual add and the next norm, one launch on CUDA."""
+        if x.is_cuda:
+            return rms_norm(x, self.weight, self.eps, residual=delta)
+        s = x + delta
+        return self.reference(s), s
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch chain (CPU, and the oracle of `epdraft.kernels.step_ops.rms_norm`)."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -74,6 +88,7 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False, **kw)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps, **kw)
         self.k_norm = RMSNorm(head_dim, rms_norm_eps, **kw)
+        self._rope_tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _kv(
         self, x_NTH: torch.Tensor, positions_NT: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -91,6 +106,17 @@ class DFlashAttention(nn.Module):
         rope = rope_cos_sin(positions_NQ, self.head_dim, self.rope_theta)
         k_blk, v_blk = self._kv(x_NQH, positions_NQ, rope)
         return apply_rope(q, *rope), k_blk, v_blk
+
+    def rope_table(self, positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [positions, D/2] fp32 of positions 0.. (`rope_cos_sin`'s values: the halves are
+        equal), made once per size and device: the fused q/k kernel reads them instead of
+        recomputing the table every step."""
+        key = (positions, device)
+        if key not in self._rope_tables:
+            cos, sin = rope_cos_sin(torch.arange(positions, device=device), self.head_dim, self.rope_theta)
+            half = self.head_dim // 2
+            self._rope_tables[key] = (cos[:, :half].contiguous(), sin[:, :half].contiguous())
+        return self._rope_tables[key]
 
     def context_kv(self, target_hidden_NLH: torch.Tensor, positions_NL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [N, g, L, D] of the fused target hidden [N, L, H] at positions [N, L] (k: normed + RoPE)."""
@@ -128,18 +154,28 @@ class DFlashAttention(nn.Module):
     ) -> torch.Tensor:
         """`forward` over a KV pool: the block rows' K/V go to rows `positions` of each request's slot
         (right after its context), then the queries attend to rows [0, position of the last block
-        row] of the slot, read in place (the Triton kernel on CUDA, the SDPA reference elsewhere).
+        row] of the slot, read in place (the Triton kernels on CUDA: q/k norm, rotary and the pool
+        write in one launch, then the attention; the torch chain and the SDPA reference elsewhere).
         A sliding-window layer (`window` W) attends as `sliding_block_attention` says instead.
 
         x_NQH [N, Q, H] (input-normed), positions_NQ [N, Q] = context length + [0, Q), slots_N [N]
         int64 on x's device. No host sync on CUDA.
         """
         N, Q, _ = x_NQH.shape
-        q, k_blk, v_blk = self._block_qkv(x_NQH, positions_NQ)
-        index = (slots_N.unsqueeze(1), slice(None), positions_NQ)
-        pool_k_PgCD[index] = k_blk.transpose(1, 2).to(pool_k_PgCD.dtype)
-        pool_v_PgCD[index] = v_blk.transpose(1, 2).to(pool_v_PgCD.dtype)
-        q = q.to(pool_k_PgCD.dtype)
+        if x_NQH.is_cuda:
+            cos, sin = self.rope_table(pool_k_PgCD.shape[2], x_NQH.device)
+            T = N * Q
+            q = qk_norm_rope_store(
+                self.q_proj(x_NQH).view(T, -1), self.k_proj(x_NQH).view(T, -1), self.v_proj(x_NQH).view(T, -1),
+                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, positions_NQ, slots_N,
+                pool_k_PgCD, pool_v_PgCD,
+            ).transpose(1, 2)  # fmt: skip
+        else:
+            q, k_blk, v_blk = self._block_qkv(x_NQH, positions_NQ)
+            index = (slots_N.unsqueeze(1), slice(None), positions_NQ)
+            pool_k_PgCD[index] = k_blk.transpose(1, 2).to(pool_k_PgCD.dtype)
+            pool_v_PgCD[index] = v_blk.transpose(1, 2).to(pool_v_PgCD.dtype)
+            q = q.to(pool_k_PgCD.dtype)
         if window is not None:
             out = sliding_block_attention(q, pool_k_PgCD, pool_v_PgCD, slots_N, positions_NQ[:, 0], window)
         else:

@@ -99,24 +99,30 @@ class DFlashLayer(nn.Module):
 
         input_ids_NQ: the rows' token ids, which a hash-routed MoE layer routes by (else unused).
         """
+        attn = None
         if x_NQH.shape[0]:
-            x_NQH = x_NQH + self.self_attn(
-                self.input_layernorm(x_NQH), positions_NQ, k_ctx_NgLD, v_ctx_NgLD, allowed_NQS
-            )
-        return self._ffn(x_NQH, plan, input_ids_NQ)
+            attn = self.self_attn(self.input_layernorm(x_NQH), positions_NQ, k_ctx_NgLD, v_ctx_NgLD, allowed_NQS)
+        return self._ffn(x_NQH, attn, plan, input_ids_NQ)
 
-    def _ffn(self, x_NQH: torch.Tensor, plan: StepPlan | None, input_ids_NQ: torch.Tensor | None) -> torch.Tensor:
-        """x + ffn(norm x) over all N * Q rows at once."""
+    def _ffn(
+        self, x_NQH: torch.Tensor, attn_NQH: torch.Tensor | None, plan: StepPlan | None, input_ids_NQ: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x' + ffn(norm x') with x' = x + attn (x itself when attention was skipped), over all
+        N * Q rows at once; on CUDA the residual adds ride in the norm's and the FFN's last launch."""
         N, Q, H = x_NQH.shape
         # The FFN runs even with no rows: a MoE layer's collectives must be entered by every rank.
-        h_TH = self.post_attention_layernorm(x_NQH).reshape(N * Q, H)
+        if attn_NQH is None:
+            h_NQH = self.post_attention_layernorm(x_NQH)
+        else:
+            h_NQH, x_NQH = self.post_attention_layernorm.add_forward(x_NQH, attn_NQH)
+        h_TH, x_TH = h_NQH.reshape(N * Q, H), x_NQH.reshape(N * Q, H)
         if self.token_routed:
             if input_ids_NQ is None:
                 raise ConfigError(f"layer {self.mlp.layer_id} is hash-routed: it needs the rows' token ids")
-            y_TH = self.mlp(h_TH, plan, input_ids_NQ.reshape(N * Q))
+            y_TH = self.mlp(h_TH, plan, input_ids_NQ.reshape(N * Q), residual_TH=x_TH)
         else:
-            y_TH = self.mlp(h_TH, plan)
-        return x_NQH + y_TH.view(N, Q, H)
+            y_TH = self.mlp(h_TH, plan, residual_TH=x_TH)
+        return y_TH.view(N, Q, H)
 
     def forward_pooled(
         self,
@@ -129,11 +135,12 @@ class DFlashLayer(nn.Module):
         input_ids_NQ: torch.Tensor,
     ) -> torch.Tensor:
         """`forward` with the context read in place from `pool` (see DFlashAttention.forward_pooled)."""
+        attn = None
         if x_NQH.shape[0]:
-            x_NQH = x_NQH + self.self_attn.forward_pooled(
+            attn = self.self_attn.forward_pooled(
                 self.input_layernorm(x_NQH), positions_NQ, pool.k[layer_id], pool.v[layer_id], slots_N, self.window
             )
-        return self._ffn(x_NQH, plan, input_ids_NQ)
+        return self._ffn(x_NQH, attn, plan, input_ids_NQ)
 
 
 class DFlashDraft(nn.Module):

@@ -1,0 +1,224 @@
+"""The Triton programs of `epdraft.kernels.step_ops` (imported on first launch, never at package import).
+
+Each program replaces a chain of small torch ops of the draft step with one launch and rounds
+where the torch chain rounds (to the tensors' dtype after the same steps), so the two agree to
+fp32 rounding order, not just to the bf16 drift bound.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr,
+    H, stride_x, stride_r, stride_o, stride_s, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """One row: [s = x + r (rounded, stored)], out = w * (s * rsqrt(mean(s^2) + eps) rounded)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    ok = offs < H
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
+        s = (x + r).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_s + offs, s, mask=ok)
+        x = s.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _norm_rotate(x1, x2, w1, w2, cos, sin, D, eps, dtype: tl.constexpr):
+    """One head's halves: RMSNorm over the head (rounded to dtype), then the half-split rotary."""
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+    n1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    n2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return (n1 * cos - n2 * sin).to(dtype), (n2 * cos + n1 * sin).to(dtype)
+
+
+@triton.jit
+def qk_rope_store_kernel(
+    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr,
+    q_out_ptr, pool_k_ptr, pool_v_ptr,
+    stride_q, stride_k, stride_v, stride_tab, stride_qo,
+    stride_pp, stride_pg, stride_pc, stride_vp, stride_vg, stride_vc,
+    eps,
+    NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, B: tl.constexpr, D: tl.constexpr, HALF_P: tl.constexpr,
+):  # fmt: skip
+    """One block row (request n, row b) and one head: heads [0, NUM_Q) are query heads (normed,
+    rotated, written to q_out [T, h, D]); the next NUM_KV are KV heads (k normed and rotated, v as
+    is, both written to the request's pool slot at the row's position)."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    half = D // 2
+    i = tl.arange(0, HALF_P)
+    ok = i < half
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * stride_tab + i, mask=ok, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_tab + i, mask=ok, other=0.0)
+    dtype = q_out_ptr.dtype.element_ty
+    if head < NUM_Q:
+        base = q_ptr + row * stride_q + head * D
+        w_base = qw_ptr
+    else:
+        base = k_ptr + row * stride_k + (head - NUM_Q) * D
+        w_base = kw_ptr
+    x1 = tl.load(base + i, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half + i, mask=ok, other=0.0).to(tl.float32)
+    w1 = tl.load(w_base + i, mask=ok, other=0.0).to(tl.float32)
+    w2 = tl.load(w_base + half + i, mask=ok, other=0.0).to(tl.float32)
+    o1, o2 = _norm_rotate(x1, x2, w1, w2, cos, sin, D, eps, dtype)
+    if head < NUM_Q:
+        out = q_out_ptr + row * stride_qo + head * D
+        tl.store(out + i, o1, mask=ok)
+        tl.store(out + half + i, o2, mask=ok)
+    else:
+        j = head - NUM_Q
+        slot = tl.load(slots_ptr + row // B).to(tl.int64)
+        dst = pool_k_ptr + slot * stride_pp + j * stride_pg + pos * stride_pc
+        tl.store(dst + i, o1.to(pool_k_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst + half + i, o2.to(pool_k_ptr.dtype.element_ty), mask=ok)
+        v_src = v_ptr + row * stride_v + j * D
+        v_dst = pool_v_ptr + slot * stride_vp + j * stride_vg + pos * stride_vc
+        tl.store(v_dst + i, tl.load(v_src + i, mask=ok).to(pool_v_ptr.dtype.element_ty), mask=ok)
+        tl.store(v_dst + half + i, tl.load(v_src + half + i, mask=ok).to(pool_v_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def attention_merge_kernel(
+    acc_ptr, stat_ptr, out_ptr, splits,
+    stride_an, stride_ah, stride_as, stride_ar,
+    stride_sn, stride_sh, stride_ss,
+    stride_on, stride_ob, stride_oh,
+    G: tl.constexpr, B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Merge one (request, KV head)'s key splits: weights 2^(m_s - M) bring each split's sums to
+    the common max M; rows r = query head j*G + r // B, block row r % B, written to out [N, B, h, D]."""
+    n = tl.program_id(0)
+    j = tl.program_id(1)
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < G * B
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    s_base = stat_ptr + n * stride_sn + j * stride_sh
+    m_max = tl.full((ROWS,), -1.0e30, tl.float32)
+    for s in range(0, splits):
+        m_max = tl.maximum(m_max, tl.load(s_base + s * stride_ss + rows * 2, mask=row_ok, other=-1.0e30))
+    total = tl.zeros((ROWS, BLOCK_D), tl.float32)
+    denom = tl.zeros((ROWS,), tl.float32)
+    a_base = acc_ptr + n * stride_an + j * stride_ah + rows[:, None] * stride_ar + d[None, :]
+    for s in range(0, splits):
+        m = tl.load(s_base + s * stride_ss + rows * 2, mask=row_ok, other=-1.0e30)
+        l = tl.load(s_base + s * stride_ss + rows * 2 + 1, mask=row_ok, other=0.0)
+        w = tl.exp2(m - m_max)
+        denom += l * w
+        total += tl.load(a_base + s * stride_as, mask=row_ok[:, None] & d_ok[None, :], other=0.0) * w[:, None]
+    out = total / tl.maximum(denom, 1e-30)[:, None]
+    head = j * G + rows // B
+    o_ptrs = out_ptr + n * stride_on + (rows % B)[:, None] * stride_ob + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def topk_route_kernel(
+    logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, stride_l, renorm_eps, scale,
+    TOP_K: tl.constexpr, K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """One token: scores from its fp32 logits, top-TOP_K by TOP_K passes of argmax (ties: the lower
+    expert), then the combine weights as `epdraft.layers.routing.route` makes them; K is TOP_K
+    rounded up to a power of two (the width of the register vectors).
+
+    SCORING: 0 softmax, 1 sigmoid, 2 sqrt(softplus), 3 softmax over the top-K logits.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < E
+    logits = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf"))
+    if SCORING == 0:
+        z = tl.exp(logits - tl.max(logits, axis=0))
+        scores = z / tl.sum(z, axis=0)
+    elif SCORING == 1:
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+    elif SCORING == 2:
+        z = tl.exp(tl.minimum(logits, 20.0))
+        softplus = tl.where(z < 1e-4, z * (1.0 - 0.5 * z), tl.log(1.0 + z))  # log1p without cancellation
+        scores = tl.sqrt(tl.where(logits > 20.0, logits, softplus))
+    else:
+        scores = logits
+    selection = scores
+    if HAS_BIAS:
+        selection = scores + tl.load(bias_ptr + e, mask=ok, other=0.0)
+    selection = tl.where(ok, selection, float("-inf"))
+    k = tl.arange(0, K)
+    top_ids = tl.zeros((K,), tl.int64)
+    top_scores = tl.zeros((K,), tl.float32)
+    for i in tl.static_range(TOP_K):
+        best = tl.argmax(selection, axis=0, tie_break_left=True)
+        top_ids = tl.where(k == i, best, top_ids)
+        top_scores = tl.where(k == i, tl.sum(tl.where(e == best, scores, 0.0), axis=0), top_scores)
+        selection = tl.where(e == best, float("-inf"), selection)
+    if SCORING == 3:
+        top_scores = tl.where(k < TOP_K, top_scores, float("-inf"))
+        z = tl.exp(top_scores - tl.max(top_scores, axis=0))
+        weights = z / tl.sum(z, axis=0)
+    else:
+        weights = top_scores  # 0 past TOP_K: the sum below is the real K's
+        if NORM:
+            weights = weights / (tl.sum(weights, axis=0) + renorm_eps)
+        weights = weights * scale
+    tl.store(ids_ptr + t * TOP_K + k, top_ids, mask=k < TOP_K)
+    tl.store(weights_ptr + t * TOP_K + k, weights, mask=k < TOP_K)
+
+
+@triton.jit
+def gated_act_kernel(
+    gate_ptr, up_ptr, out_ptr, I, stride_g, stride_u, stride_o, limit, alpha,
+    SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """out = act(gate, up) in fp32, rounded to out's dtype (`epdraft.layers.activations.gated_act`)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < I
+    g = tl.load(gate_ptr + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * stride_u + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_LIMIT:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    if SWIGLU:
+        h = g / (1.0 + tl.exp(-g)) * u
+    else:
+        h = (u + 1.0) * (g / (1.0 + tl.exp(-g * alpha)))
+    tl.store(out_ptr + row * stride_o + offs, h.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def ffn_residual_kernel(
+    r_ptr, y_ptr, s_ptr, g_ptr, out_ptr,
+    H, stride_r, stride_y, stride_s, stride_g, stride_o,
+    HAS_RESIDUAL: tl.constexpr, HAS_Y: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """One row: out = [r +] ([y +] shared [* sigmoid(gate)]) (or r + y), rounding to out's dtype
+    after the gate and after each add, as the torch chain does."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    ok = offs < H
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    if HAS_SHARED:
+        acc = tl.load(s_ptr + row * stride_s + offs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            gate = tl.load(g_ptr + row * stride_g).to(tl.float32)
+            acc = ((1.0 / (1.0 + tl.exp(-gate))) * acc).to(dtype).to(tl.float32)
+    if HAS_Y:
+        acc = (tl.load(y_ptr + row * stride_y + offs, mask=ok, other=0.0).to(tl.float32) + acc).to(dtype).to(tl.float32)
+    if HAS_RESIDUAL:
+        acc = tl.load(r_ptr + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32) + acc
+    tl.store(out_ptr + row * stride_o + offs, acc.to(dtype), mask=ok)

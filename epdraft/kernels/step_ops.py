@@ -1,0 +1,177 @@
+"""The draft step's small ops as single Triton launches (CUDA): norms, q/k norm + rotary + KV-pool
+write, the attention split merge, top-k routing, the gated activation and the FFN's output + residual add.
+
+Why: inside a CUDA graph each kernel still costs a few microseconds, and the step's torch chains
+(fp32 casts, pow/mean/rsqrt, the rotary's slices and cats, softmax/top-k/gather) made ~630
+kernels a step, 3-4x its memory floor (docs/performance.md). Each function here names the torch
+code it equals; that code stays the CPU path and is what tests/gpu/test_step_ops.py holds these
+launches against. Every launch has a grid that depends on shapes only and reads no tensor on the
+host, so a CUDA graph can hold it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epdraft.kernels.align import next_pow2
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last] with a unit stride in the last dim (a view when it is one)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, s) with s = x + residual (x itself without one) and normed = `RMSNorm` of s:
+    weight * (s * rsqrt(mean(s^2) + eps)) rounded to x's dtype before the scale
+    (`epdraft.models.attention.RMSNorm.reference`). One program per row."""
+    from epdraft.kernels._step_triton import rms_norm_kernel
+
+    shape, H = x.shape, x.shape[-1]
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if residual is None:
+        r2, s2 = x2, x2
+    else:
+        r2 = _rows(residual)
+        s2 = torch.empty_like(out)
+    if x2.shape[0]:
+        rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, out, s2, H, x2.stride(0), r2.stride(0), out.stride(0), s2.stride(0), eps,
+            HAS_RESIDUAL=residual is not None, BLOCK_H=next_pow2(H), num_warps=4 if H <= 4096 else 8,
+        )  # fmt: skip
+    return out.view(shape), s2.view(shape)
+
+
+def qk_norm_rope_store(
+    q_TX: torch.Tensor,
+    k_TX: torch.Tensor,
+    v_TX: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    cos_CR: torch.Tensor,
+    sin_CR: torch.Tensor,
+    positions_NB: torch.Tensor,
+    slots_N: torch.Tensor,
+    pool_k_PgCD: torch.Tensor,
+    pool_v_PgCD: torch.Tensor,
+) -> torch.Tensor:
+    """A draft block's attention inputs in one launch: q [N, B, h, D] normed and rotated (in the
+    pool's dtype), the block's k (normed, rotated) and v written to rows `positions` of each
+    request's pool slot. Equals q_norm/k_norm (`RMSNorm`) then `apply_rope`, then the pool writes of
+    `DFlashAttention.forward_pooled`.
+
+    q_TX [N*B, h*D], k_TX / v_TX [N*B, g*D] (the projections' outputs, rows unit-strided);
+    cos_CR / sin_CR [C, D/2] fp32: the rotary table of positions 0..C-1 (`rope_cos_sin`'s first half).
+    """
+    from epdraft.kernels._step_triton import qk_rope_store_kernel
+
+    N, B = positions_NB.shape
+    D = q_norm_weight.shape[0]
+    h, g = q_TX.shape[1] // D, k_TX.shape[1] // D
+    q_out = torch.empty(N, B, h, D, dtype=pool_k_PgCD.dtype, device=q_TX.device)
+    if N:
+        qk_rope_store_kernel[(N * B, h + g)](
+            q_TX, k_TX, v_TX, q_norm_weight, k_norm_weight, cos_CR, sin_CR, positions_NB, slots_N,
+            q_out, pool_k_PgCD, pool_v_PgCD,
+            q_TX.stride(0), k_TX.stride(0), v_TX.stride(0), cos_CR.stride(0), q_out.stride(1),
+            *pool_k_PgCD.stride()[:3], *pool_v_PgCD.stride()[:3],
+            eps,
+            NUM_Q=h, NUM_KV=g, B=B, D=D, HALF_P=next_pow2(D // 2), num_warps=1,
+        )  # fmt: skip
+    return q_out
+
+
+def merge_attention_splits(acc: torch.Tensor, stat: torch.Tensor, out_NBhD: torch.Tensor, G: int, B: int) -> None:
+    """Write the block attention's output [N, B, h, D] from its key splits (acc [N, g, splits,
+    rows, D], stat [..., rows, 2] = row max, row sum): the merge `block_attention` did in torch."""
+    from epdraft.kernels._step_triton import attention_merge_kernel
+
+    N, g, splits, rows, D = acc.shape
+    if N:
+        attention_merge_kernel[(N, g)](
+            acc, stat, out_NBhD, splits,
+            *acc.stride()[:4], *stat.stride()[:3], *out_NBhD.stride()[:3],
+            G=G, B=B, D=D, ROWS=rows, BLOCK_D=max(16, next_pow2(D)), num_warps=4,
+        )  # fmt: skip
+
+
+SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "softmax_topk": 3}
+
+
+def topk_route(
+    logits_TE: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    selection_bias_E: torch.Tensor | None,
+    norm_topk_prob: bool,
+    renorm_eps: float,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [T, K] int64, weights [T, K] fp32) from fp32 logits [T, E] in one launch: what
+    `epdraft.layers.routing.route` computes without group-limited selection (ties go to the lower
+    expert; E up to a few thousand: one program holds a token's E logits)."""
+    from epdraft.kernels._step_triton import topk_route_kernel
+
+    T, E = logits_TE.shape
+    ids = torch.empty(T, top_k, dtype=torch.long, device=logits_TE.device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits_TE.device)
+    if T:
+        logits = _rows(logits_TE)
+        bias = selection_bias_E if selection_bias_E is not None else logits
+        topk_route_kernel[(T,)](
+            logits, bias, ids, weights, E, logits.stride(0), renorm_eps, routed_scaling_factor,
+            TOP_K=top_k, K=next_pow2(top_k), SCORING=SCORINGS[scoring], HAS_BIAS=selection_bias_E is not None,
+            NORM=norm_topk_prob, BLOCK_E=max(16, next_pow2(E)), num_warps=1 if E <= 256 else 4,
+        )  # fmt: skip
+    return ids, weights
+
+
+def gated_act(gate_TI: torch.Tensor, up_TI: torch.Tensor, swiglu: bool, limit: float, alpha: float) -> torch.Tensor:
+    """act(gate, up) in fp32 rounded to gate's dtype (`epdraft.layers.activations.gated_act` then
+    `.to(dtype)`): swiglu, or swigluoai with `alpha`; `limit` > 0 clamps first."""
+    from epdraft.kernels._step_triton import gated_act_kernel
+
+    g2, u2 = _rows(gate_TI), _rows(up_TI)
+    T, I = g2.shape
+    out = torch.empty(T, I, dtype=gate_TI.dtype, device=gate_TI.device)
+    block = min(2048, next_pow2(I))
+    if T:
+        gated_act_kernel[(T, -(-I // block))](
+            g2, u2, out, I, g2.stride(0), u2.stride(0), out.stride(0), limit, alpha,
+            SWIGLU=swiglu, HAS_LIMIT=limit > 0, BLOCK=block, num_warps=4,
+        )  # fmt: skip
+    return out.view(gate_TI.shape)
+
+
+def ffn_residual(
+    residual_TH: torch.Tensor | None,
+    y_TH: torch.Tensor | None,
+    shared_TH: torch.Tensor | None = None,
+    gate_T1: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[residual +] ([y +] shared [* sigmoid(gate)]) in one launch, rounded to the tensors' dtype
+    after the gate and after each add, as `DraftMLP.forward`, `DraftMoE.forward` and the layer's
+    residual add round: the FFN output and the residual stream in one pass. At least two of
+    residual, y, shared are given; all [T, H] (gate_T1 [T, 1], the output gate's logits)."""
+    from epdraft.kernels._step_triton import ffn_residual_kernel
+
+    given = [t for t in (residual_TH, y_TH, shared_TH) if t is not None]
+    first = given[0]
+    T, H = first.reshape(-1, first.shape[-1]).shape
+    r2, y2, s2 = (_rows(t) if t is not None else None for t in (residual_TH, y_TH, shared_TH))
+    g2 = gate_T1.reshape(-1, 1) if gate_T1 is not None else None
+    out = torch.empty(T, H, dtype=first.dtype, device=first.device)
+    if T:
+        # an absent operand's pointer is `out` (never read: its HAS_ flag is off)
+        r, y, sh, g = (t if t is not None else out for t in (r2, y2, s2, g2))
+        ffn_residual_kernel[(T,)](
+            r, y, sh, g, out, H, r.stride(0), y.stride(0), sh.stride(0), g.stride(0), out.stride(0),
+            HAS_RESIDUAL=r2 is not None, HAS_Y=y2 is not None, HAS_SHARED=s2 is not None, HAS_GATE=g2 is not None,
+            BLOCK_H=next_pow2(H), num_warps=4 if H <= 4096 else 8,
+        )  # fmt: skip
+    return out.view(first.shape)

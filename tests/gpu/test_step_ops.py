@@ -1,0 +1,103 @@
+"""The draft step's fused launches (`epdraft.kernels.step_ops`) against the torch chains they replace
+(the CPU path): same values to fp32 rounding order in fp32, and within one bf16 rounding in bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epdraft.config.ffn import ActivationSpec, RouterSpec
+from epdraft.kernels import step_ops
+from epdraft.layers.activations import gated_act
+from epdraft.layers.routing import route
+from epdraft.models.attention import DFlashAttention, RMSNorm, apply_rope, rope_cos_sin
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """fp32: rounding order only; bf16: at most one bf16 rounding apart (2^-7 relative)."""
+    tol = dict(rtol=2**-7, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.float(), ref.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H", [(1, 4096), (37, 5120), (300, 96), (0, 64)])
+def test_rms_norm_and_residual_add_equal_the_torch_chain(dtype, T, H):
+    norm = RMSNorm(H, 1e-6, dtype=dtype, device="cuda")
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(T, H, device="cuda").to(dtype)
+    delta = torch.randn(T, H, device="cuda").to(dtype)
+    _close(step_ops.rms_norm(x, norm.weight, norm.eps)[0], norm.reference(x), dtype)
+    normed, summed = step_ops.rms_norm(x, norm.weight, norm.eps, residual=delta)
+    assert torch.equal(summed, x + delta)
+    _close(normed, norm.reference(x + delta), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,B,h,g,D", [(1, 16, 32, 8, 128), (5, 16, 8, 2, 64), (2, 7, 6, 3, 128)])
+def test_qk_norm_rope_store_equals_norm_rope_and_pool_writes(dtype, N, B, h, g, D):
+    attn = DFlashAttention(64, h, g, D, rms_norm_eps=1e-6, rope_theta=1e6, dtype=dtype, device="cuda")
+    torch.nn.init.normal_(attn.q_norm.weight)
+    torch.nn.init.normal_(attn.k_norm.weight)
+    P, C = N + 2, 9000
+    pool_k = torch.zeros(P, g, C, D, dtype=dtype, device="cuda")
+    pool_v = torch.zeros_like(pool_k)
+    slots = torch.randperm(P, device="cuda")[:N]
+    positions = torch.randint(0, C - B, (N, 1), device="cuda") + torch.arange(B, device="cuda")
+    q = torch.randn(N * B, h * D, device="cuda").to(dtype)
+    k = torch.randn(N * B, g * D, device="cuda").to(dtype)
+    v = torch.randn(N * B, g * D, device="cuda").to(dtype)
+    cos, sin = attn.rope_table(C, torch.device("cuda"))
+    got_q = step_ops.qk_norm_rope_store(q, k, v, attn.q_norm.weight, attn.k_norm.weight, 1e-6, cos, sin,
+                                        positions, slots, pool_k, pool_v)  # fmt: skip
+    rc, rs = rope_cos_sin(positions, D, 1e6)
+    ref_q = apply_rope(attn.q_norm.reference(q.view(N, B, h, D)).transpose(1, 2), rc, rs).transpose(1, 2)
+    ref_k = apply_rope(attn.k_norm.reference(k.view(N, B, g, D)).transpose(1, 2), rc, rs).transpose(1, 2)
+    _close(got_q, ref_q, dtype)
+    index = (slots.unsqueeze(1), slice(None), positions)
+    _close(pool_k[index], ref_k, dtype)
+    assert torch.equal(pool_v[index], v.view(N, B, g, D))
+    untouched = torch.ones(P, C, dtype=torch.bool, device="cuda")
+    untouched[slots.unsqueeze(1), positions] = False
+    assert not pool_k.permute(0, 2, 1, 3)[untouched].any() and not pool_v.permute(0, 2, 1, 3)[untouched].any()
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "sqrtsoftplus", "softmax_topk"])
+@pytest.mark.parametrize("E,K", [(8, 2), (128, 3), (256, 8), (60, 1)])
+def test_topk_route_equals_route(scoring, E, K):
+    spec = RouterSpec(num_experts=E, top_k=K, scoring=scoring, norm_topk_prob=scoring != "softmax",
+                      routed_scaling_factor=2.5, renorm_eps=1e-20)  # fmt: skip
+    gen = torch.Generator(device="cuda").manual_seed(E * K)
+    logits = torch.randn(513, E, generator=gen, device="cuda") * 4
+    bias = torch.randn(E, generator=gen, device="cuda") if scoring == "sigmoid" else None
+    ref_ids, ref_w = route(logits, spec, bias)
+    ids, w = step_ops.topk_route(logits, K, scoring, bias, spec.norm_topk_prob, spec.renorm_eps,
+                                 spec.routed_scaling_factor)  # fmt: skip
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+    empty_ids, empty_w = step_ops.topk_route(logits[:0], K, scoring, bias, True, 0.0, 1.0)
+    assert empty_ids.shape == (0, K) and empty_w.shape == (0, K)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", [ActivationSpec(), ActivationSpec(kind="swigluoai", limit=7.0, alpha=1.702)])
+def test_gated_act_equals_the_torch_activation(dtype, act):
+    gate = (torch.randn(33, 1536, device="cuda") * 4).to(dtype)
+    up = (torch.randn(33, 1536, device="cuda") * 4).to(dtype)
+    got = step_ops.gated_act(gate, up, act.kind == "swiglu", act.limit, act.alpha)
+    _close(got, gated_act(gate, up, act).to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ffn_residual_equals_the_torch_adds(dtype):
+    T, H = 21, 4096
+    r, y, s = (torch.randn(T, H, device="cuda").to(dtype) for _ in range(3))
+    gate = torch.randn(T, 1, device="cuda").to(dtype)
+    gated = (torch.sigmoid(gate.float()) * s.float()).to(dtype)
+    _close(step_ops.ffn_residual(r, y, s, gate), r + (y + gated), dtype)
+    _close(step_ops.ffn_residual(r, None, s, gate), r + gated, dtype)
+    _close(step_ops.ffn_residual(r, y), r + y, dtype)
+    _close(step_ops.ffn_residual(None, y, s), y + s, dtype)
