@@ -8,7 +8,9 @@ pooled step replayed from a CUDA graph. The floor is max(bytes / 4.3 TB/s, FLOPs
 counted from the shapes: the draft's non-expert weights, the experts the step's pairs touch
 (expected count), the lm_head, and the context K/V read. `kernels` is the eager pooled step's
 CUDA kernel count (torch profiler). Prints a table and one JSON line per point (`--json FILE`
-appends them); `--plot FILE.png` draws step time against N (needs matplotlib).
+appends them); `--plot FILE.png` draws graph step time and floor against N (needs matplotlib:
+`pip install 'epdraft[plot]'`), and `--from-json FILE --plot OUT.png` draws it from a saved
+`--json` file without running anything (no GPU needed: plot on a machine that has matplotlib).
 
 `--attention` adds one layer's block attention alone, per point: `triton` (the kernel, reading the
 pool in place), `sdpa` (torch SDPA on K/V already gathered contiguous, a length mask), `flex`
@@ -55,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "flex_attention (compiled per shape)")
     parser.add_argument("--json", type=Path, help="append the JSON lines to this file")
     parser.add_argument("--plot", type=Path, help="write step time vs N against the floor to this PNG")
+    parser.add_argument("--from-json", type=Path, metavar="FILE",
+                        help="with --plot: draw the plot from this saved --json file instead of running the bench "
+                             "(the last run of each preset, context and N; the other options are not used)")
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -155,6 +160,13 @@ def main(args: argparse.Namespace) -> int:
     from epdraft.models.spec import DraftModelSpec
     from epdraft.runtime.graphs import StepGraphs
 
+    if args.from_json:
+        if args.plot is None:
+            raise ConfigError(f"--from-json {args.from_json} draws a plot from saved results: add --plot OUT.png")
+        results = _read_results(args.from_json)
+        _plot(_pyplot(args.plot), results, args.plot)
+        return 0
+    plt = _pyplot(args.plot) if args.plot else None  # before any timing: a bad --plot fails now, not after the run
     requests, contexts = _ints(args.requests, "--requests"), _ints(args.context, "--context")
     if not torch.cuda.is_available():
         raise ConfigError("epdraft bench step times the GPU step: it needs CUDA")
@@ -201,9 +213,9 @@ def main(args: argparse.Namespace) -> int:
                     del caches
             floor_s, nbytes, flops = floor_seconds(draft, heads, n, context)
             floor = floor_s * 1e3
-            row = dict(preset=label, requests=n, context=context, cache_ms=cache, eager_ms=eager, graph_ms=graph,
-                       floor_ms=floor, bytes=nbytes, flops=flops, kernels=kernels, graph_equals_eager=same,
-                       device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
+            row = dict(kind="step", preset=label, requests=n, context=context, cache_ms=cache, eager_ms=eager,
+                       graph_ms=graph, floor_ms=floor, bytes=nbytes, flops=flops, kernels=kernels,
+                       graph_equals_eager=same, device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
             results.append(row)
             cache_text = f"{cache:>10.3f}" if cache is not None else f"{'-':>10}"
             ratio = f"{cache / graph:>12.1f}" if cache is not None else f"{'-':>12}"
@@ -218,8 +230,8 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)
-    if args.plot:
-        _plot(results, args.plot)
+    if plt is not None:
+        _plot(plt, results, args.plot)
     return 0
 
 
@@ -330,7 +342,10 @@ def _caches_from_pool(draft, pool, n: int, context: int):
     return caches
 
 
-def _plot(results: list[dict], path: Path) -> None:
+def _pyplot(path: Path):
+    """matplotlib's pyplot on the file-only Agg backend, after checking that `path` can be written."""
+    if not path.parent.is_dir():
+        raise ConfigError(f"--plot {path}: directory {path.parent} does not exist")
     try:
         import matplotlib
 
@@ -338,15 +353,64 @@ def _plot(results: list[dict], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise ConfigError("--plot needs matplotlib: pip install 'epdraft[plot]'") from e
+    return plt
+
+
+def _read_results(path: Path) -> list[dict]:
+    """The JSON lines a `--json` file holds (blank lines skipped); ConfigError naming file and line."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(f"--from-json {path}: cannot read it ({e.strerror})") from e
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{i}: not a JSON line of `epdraft bench step --json` ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+def _plot(plt, results: list[dict], path: Path) -> None:
+    """Graph step ms and floor ms against N, one pair of lines per (preset, context).
+
+    Attention rows are left out; step rows are those without `kind` (files written before it
+    existed) or with kind "step". A point measured twice (runs appended to one file) keeps the last.
+    """
+    points: dict[tuple[str, int], dict[int, dict]] = {}
+    devices = set()
+    for r in results:
+        if r.get("kind", "step") != "step":
+            continue
+        devices.add(str(r.get("device", "")))
+        try:
+            points.setdefault((str(r["preset"]), int(r["context"])), {})[int(r["requests"])] = {
+                "graph_ms": float(r["graph_ms"]), "floor_ms": float(r["floor_ms"])}  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"--plot: a step row without preset, context, requests, graph_ms, floor_ms: {r}") from e
+    if not points:
+        raise ConfigError(f"--plot {path}: no step results to draw (attention rows are not plotted)")
+    presets = sorted({preset for preset, _ in points})
     fig, ax = plt.subplots(figsize=(7, 4))
-    for context in sorted({r["context"] for r in results}):
-        rows = [r for r in results if r["context"] == context]
-        n = [r["requests"] for r in rows]
-        ax.plot(n, [r["graph_ms"] for r in rows], "o-", label=f"graph, ctx {context}")
-        ax.plot(n, [r["floor_ms"] for r in rows], "--", label=f"floor, ctx {context}")
+    for (preset, context), by_n in sorted(points.items()):
+        n = sorted(by_n)
+        label = f"ctx {context}" if len(presets) == 1 else f"{preset}, ctx {context}"
+        (line,) = ax.plot(n, [by_n[i]["graph_ms"] for i in n], "o-", label=f"graph, {label}")
+        ax.plot(n, [by_n[i]["floor_ms"] for i in n], "--", color=line.get_color(), label=f"floor, {label}")
+    devices.discard("")
+    ax.set_title(f"draft step: {', '.join(presets)}" + (f" on {', '.join(sorted(devices))}" if devices else ""))
     ax.set_xlabel("requests N")
     ax.set_ylabel("ms per draft step")
     ax.set_xscale("log", base=2)
+    all_n = sorted({i for by_n in points.values() for i in by_n})
+    ax.set_xticks(all_n, [str(i) for i in all_n])
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
+    plt.close(fig)
+    print(f"plot: {path}")
