@@ -8,7 +8,17 @@ pooled step replayed from a CUDA graph. The floor is max(bytes / 4.3 TB/s, FLOPs
 counted from the shapes: the draft's non-expert weights, the experts the step's pairs touch
 (expected count), the lm_head, and the context K/V read. `kernels` is the eager pooled step's
 CUDA kernel count (torch profiler). Prints a table and one JSON line per point (`--json FILE`
-appends them); `--plot FILE.png` draws step time against N (needs matplotlib).
+appends them); `--plot FILE.png` draws graph step time and floor against N (needs matplotlib:
+`pip install 'epdraft[plot]'`), and `--from-json FILE --plot OUT.png` draws it from a saved
+`--json` file without running anything (no GPU needed: plot on a machine that has matplotlib).
+
+`--attention` adds one layer's block attention alone, per point: `triton` (the kernel, reading the
+pool in place), `sdpa` (torch SDPA on K/V already gathered contiguous, a length mask), `flex`
+(torch's flex_attention on the same gathered K/V with a length mask_mod, compiled by torch.compile
+once per shape; its block mask is built once, outside the timing), `sdpa+gather` (the reference:
+the gather a pool needs, then SDPA), and the floor (the K/V bytes at HBM speed). flex is timed only
+after its output matched the fp32 reference (max |dy| printed); when flex_attention cannot be
+imported, compiled or does not match, its column is `-` and one line says why.
 """
 
 from __future__ import annotations
@@ -43,9 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-cache-path", action="store_true", help="skip the cache-based eager step (slow at large N)")
     parser.add_argument("--attention", action="store_true",
-                        help="also time one layer's block attention alone: the Triton kernel against SDPA")
+                        help="also time one layer's block attention alone: the Triton kernel against SDPA and "
+                             "flex_attention (compiled per shape)")
     parser.add_argument("--json", type=Path, help="append the JSON lines to this file")
     parser.add_argument("--plot", type=Path, help="write step time vs N against the floor to this PNG")
+    parser.add_argument("--from-json", type=Path, metavar="FILE",
+                        help="with --plot: draw the plot from this saved --json file instead of running the bench "
+                             "(the last run of each preset, context and N; the other options are not used)")
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -146,6 +160,13 @@ def main(args: argparse.Namespace) -> int:
     from epdraft.models.spec import DraftModelSpec
     from epdraft.runtime.graphs import StepGraphs
 
+    if args.from_json:
+        if args.plot is None:
+            raise ConfigError(f"--from-json {args.from_json} draws a plot from saved results: add --plot OUT.png")
+        results = _read_results(args.from_json)
+        _plot(_pyplot(args.plot), results, args.plot)
+        return 0
+    plt = _pyplot(args.plot) if args.plot else None  # before any timing: a bad --plot fails now, not after the run
     requests, contexts = _ints(args.requests, "--requests"), _ints(args.context, "--context")
     if not torch.cuda.is_available():
         raise ConfigError("epdraft bench step times the GPU step: it needs CUDA")
@@ -192,9 +213,9 @@ def main(args: argparse.Namespace) -> int:
                     del caches
             floor_s, nbytes, flops = floor_seconds(draft, heads, n, context)
             floor = floor_s * 1e3
-            row = dict(preset=label, requests=n, context=context, cache_ms=cache, eager_ms=eager, graph_ms=graph,
-                       floor_ms=floor, bytes=nbytes, flops=flops, kernels=kernels, graph_equals_eager=same,
-                       device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
+            row = dict(kind="step", preset=label, requests=n, context=context, cache_ms=cache, eager_ms=eager,
+                       graph_ms=graph, floor_ms=floor, bytes=nbytes, flops=flops, kernels=kernels,
+                       graph_equals_eager=same, device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
             results.append(row)
             cache_text = f"{cache:>10.3f}" if cache is not None else f"{'-':>10}"
             ratio = f"{cache / graph:>12.1f}" if cache is not None else f"{'-':>12}"
@@ -209,41 +230,106 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)
-    if args.plot:
-        _plot(results, args.plot)
+    if plt is not None:
+        _plot(plt, results, args.plot)
     return 0
 
 
 def _attention_table(spec, requests: list[int], contexts: list[int], args, device: torch.device) -> list[dict]:
-    """One layer's block attention, Triton kernel vs SDPA (on K/V already gathered, and with the
-    gather a pool needs), against the K/V bytes it must read (its floor)."""
+    """One layer's block attention, Triton kernel vs SDPA and flex_attention (on K/V already
+    gathered) and SDPA with the gather a pool needs, against the K/V bytes it must read (its floor)."""
+    import torch._dynamo
+
     from epdraft.kernels.attention import block_attention, block_attention_reference
 
     h, g, D, B = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size
     print(f"block attention, one layer: h {h}, g {g}, D {D}, B {B}, bf16")
-    print(f"{'N':>5}{'context':>9}{'triton us':>11}{'sdpa us':>10}{'sdpa+gather us':>16}{'floor us':>10}{'triton/floor':>14}")
-    rows = []
-    for context in contexts:
-        for n in requests:
-            k = torch.randn(n + 1, g, context + B, D, device=device, dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            q = torch.randn(n, h, B, D, device=device, dtype=torch.bfloat16)
-            slots = torch.arange(n, device=device)
-            lens = torch.full((n,), context + B, device=device)
-            k_n, v_n = k[:n].contiguous(), v[:n].contiguous()
-            mask = torch.ones(n, 1, B, context + B, dtype=torch.bool, device=device)
-            sdpa = torch.nn.functional.scaled_dot_product_attention
-            triton_us = 1e3 * _time_ms(lambda: block_attention(q, k, v, slots, lens), args.steps, args.warmup)
-            sdpa_us = 1e3 * _time_ms(lambda: sdpa(q, k_n, v_n, attn_mask=mask, enable_gqa=True), args.steps, args.warmup)
-            gather_us = 1e3 * _time_ms(lambda: block_attention_reference(q, k, v, slots, lens), args.steps, args.warmup)
-            kv_bytes = 2 * n * g * (context + B) * D * 2
-            floor_us = kv_bytes / HBM_BYTES_PER_S * 1e6
-            print(f"{n:>5}{context:>9}{triton_us:>11.1f}{sdpa_us:>10.1f}{gather_us:>16.1f}{floor_us:>10.1f}"
-                  f"{triton_us / floor_us:>14.2f}")  # fmt: skip
-            rows.append(dict(kind="attention", requests=n, context=context, triton_us=triton_us, sdpa_us=sdpa_us,
-                             sdpa_gather_us=gather_us, floor_us=floor_us, kv_bytes=kv_bytes))  # fmt: skip
-            del k, v, k_n, v_n
+    print(f"{'N':>5}{'context':>9}{'triton us':>11}{'sdpa us':>10}{'flex us':>10}{'flex |dy|':>11}"
+          f"{'sdpa+gather us':>16}{'floor us':>10}{'triton/floor':>14}")  # fmt: skip
+    rows, reasons = [], set()
+    # One static-shape compile of flex_attention per point: lift dynamo's recompile limit (8 per
+    # function) for this table only, or the later points would silently run flex unfused.
+    # (torch < 2.7 calls the limit cache_size_limit.)
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    with torch._dynamo.config.patch(**{limit: 8 + len(requests) * len(contexts)}):
+        for context in contexts:
+            for n in requests:
+                k = torch.randn(n + 1, g, context + B, D, device=device, dtype=torch.bfloat16)
+                v = torch.randn_like(k)
+                q = torch.randn(n, h, B, D, device=device, dtype=torch.bfloat16)
+                slots = torch.arange(n, device=device)
+                lens = torch.full((n,), context + B, device=device)
+                k_n, v_n = k[:n].contiguous(), v[:n].contiguous()
+                mask = torch.ones(n, 1, B, context + B, dtype=torch.bool, device=device)
+                sdpa = torch.nn.functional.scaled_dot_product_attention
+                triton_us = 1e3 * _time_ms(lambda: block_attention(q, k, v, slots, lens), args.steps, args.warmup)
+                sdpa_us = 1e3 * _time_ms(lambda: sdpa(q, k_n, v_n, attn_mask=mask, enable_gqa=True), args.steps,
+                                         args.warmup)  # fmt: skip
+                flex_us, flex_dy, reason = _flex_us(q, k_n, v_n, lens, args)
+                gather_us = 1e3 * _time_ms(lambda: block_attention_reference(q, k, v, slots, lens), args.steps,
+                                           args.warmup)  # fmt: skip
+                kv_bytes = 2 * n * g * (context + B) * D * 2
+                floor_us = kv_bytes / HBM_BYTES_PER_S * 1e6
+                flex_text = f"{flex_us:>10.1f}" if flex_us is not None else f"{'-':>10}"
+                dy_text = f"{flex_dy:>11.2e}" if flex_dy is not None else f"{'-':>11}"
+                print(f"{n:>5}{context:>9}{triton_us:>11.1f}{sdpa_us:>10.1f}{flex_text}{dy_text}{gather_us:>16.1f}"
+                      f"{floor_us:>10.1f}{triton_us / floor_us:>14.2f}")  # fmt: skip
+                if reason is not None and reason not in reasons:
+                    print(f"  flex: {reason}")
+                    reasons.add(reason)
+                rows.append(dict(kind="attention", requests=n, context=context, triton_us=triton_us, sdpa_us=sdpa_us,
+                                 flex_us=flex_us, flex_max_abs_diff=flex_dy, flex_error=reason,
+                                 sdpa_gather_us=gather_us, floor_us=floor_us, kv_bytes=kv_bytes))  # fmt: skip
+                del k, v, k_n, v_n
     return rows
+
+
+FLEX_MAX_ABS_DIFF = 2e-2  # bf16 output against the fp32 reference: the Triton kernel's bound in tests/gpu
+
+
+def _flex_us(q_NhBD, k_NgSD, v_NgSD, lens_N, args) -> tuple[float | None, float | None, str | None]:
+    """(µs, max |dy| against the fp32 reference, None), or (None, max |dy| or None, why not timed).
+
+    flex_attention over gathered K/V [N, g, S, D] with a length mask_mod (keys [0, lens[n]) of
+    request n), the contract of `block_attention_reference`; compiled with static shapes on the
+    first call, checked against the reference before any timing.
+    """
+    from epdraft.kernels.attention import block_attention_reference
+
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as e:
+        return None, None, f"torch.nn.attention.flex_attention cannot be imported: {e}"
+    N, h, B, _ = q_NhBD.shape
+    S = k_NgSD.shape[2]
+
+    def within_length(b, head, q_idx, kv_idx):
+        return kv_idx < lens_N[b]
+
+    try:
+        block_mask = create_block_mask(within_length, B=N, H=None, Q_LEN=B, KV_LEN=S, device=q_NhBD.device)
+        compiled = torch.compile(flex_attention, dynamic=False)
+
+        def flex() -> torch.Tensor:
+            return compiled(q_NhBD, k_NgSD, v_NgSD, block_mask=block_mask, enable_gqa=k_NgSD.shape[1] != h)
+
+        out = flex()
+    except RuntimeError as e:  # torch.compile's failures (no Triton, a kernel that does not build) are RuntimeErrors
+        return None, None, f"flex_attention does not compile here: {_one_line(e)}"
+    ref = block_attention_reference(q_NhBD.float(), k_NgSD.float(), v_NgSD.float(),
+                                    torch.arange(N, device=q_NhBD.device), lens_N)  # fmt: skip
+    dy = (out.float() - ref).abs().max().item()
+    del ref
+    if dy > FLEX_MAX_ABS_DIFF:
+        return None, dy, f"flex_attention differs from the reference, max |dy| {dy:.3g} > {FLEX_MAX_ABS_DIFF}: not timed"
+    return 1e3 * _time_ms(flex, args.steps, args.warmup), dy, None
+
+
+def _one_line(e: BaseException, width: int = 200) -> str:
+    """An exception as one line: its type and message, lines joined, cut to `width` characters."""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    text = f"{type(e).__name__}: {text}"
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _caches_from_pool(draft, pool, n: int, context: int):
@@ -256,7 +342,10 @@ def _caches_from_pool(draft, pool, n: int, context: int):
     return caches
 
 
-def _plot(results: list[dict], path: Path) -> None:
+def _pyplot(path: Path):
+    """matplotlib's pyplot on the file-only Agg backend, after checking that `path` can be written."""
+    if not path.parent.is_dir():
+        raise ConfigError(f"--plot {path}: directory {path.parent} does not exist")
     try:
         import matplotlib
 
@@ -264,15 +353,64 @@ def _plot(results: list[dict], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise ConfigError("--plot needs matplotlib: pip install 'epdraft[plot]'") from e
+    return plt
+
+
+def _read_results(path: Path) -> list[dict]:
+    """The JSON lines a `--json` file holds (blank lines skipped); ConfigError naming file and line."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(f"--from-json {path}: cannot read it ({e.strerror})") from e
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{i}: not a JSON line of `epdraft bench step --json` ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+def _plot(plt, results: list[dict], path: Path) -> None:
+    """Graph step ms and floor ms against N, one pair of lines per (preset, context).
+
+    Attention rows are left out; step rows are those without `kind` (files written before it
+    existed) or with kind "step". A point measured twice (runs appended to one file) keeps the last.
+    """
+    points: dict[tuple[str, int], dict[int, dict]] = {}
+    devices = set()
+    for r in results:
+        if r.get("kind", "step") != "step":
+            continue
+        devices.add(str(r.get("device", "")))
+        try:
+            points.setdefault((str(r["preset"]), int(r["context"])), {})[int(r["requests"])] = {
+                "graph_ms": float(r["graph_ms"]), "floor_ms": float(r["floor_ms"])}  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"--plot: a step row without preset, context, requests, graph_ms, floor_ms: {r}") from e
+    if not points:
+        raise ConfigError(f"--plot {path}: no step results to draw (attention rows are not plotted)")
+    presets = sorted({preset for preset, _ in points})
     fig, ax = plt.subplots(figsize=(7, 4))
-    for context in sorted({r["context"] for r in results}):
-        rows = [r for r in results if r["context"] == context]
-        n = [r["requests"] for r in rows]
-        ax.plot(n, [r["graph_ms"] for r in rows], "o-", label=f"graph, ctx {context}")
-        ax.plot(n, [r["floor_ms"] for r in rows], "--", label=f"floor, ctx {context}")
+    for (preset, context), by_n in sorted(points.items()):
+        n = sorted(by_n)
+        label = f"ctx {context}" if len(presets) == 1 else f"{preset}, ctx {context}"
+        (line,) = ax.plot(n, [by_n[i]["graph_ms"] for i in n], "o-", label=f"graph, {label}")
+        ax.plot(n, [by_n[i]["floor_ms"] for i in n], "--", color=line.get_color(), label=f"floor, {label}")
+    devices.discard("")
+    ax.set_title(f"draft step: {', '.join(presets)}" + (f" on {', '.join(sorted(devices))}" if devices else ""))
     ax.set_xlabel("requests N")
     ax.set_ylabel("ms per draft step")
     ax.set_xscale("log", base=2)
+    all_n = sorted({i for by_n in points.values() for i in by_n})
+    ax.set_xticks(all_n, [str(i) for i in all_n])
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
+    plt.close(fig)
+    print(f"plot: {path}")
