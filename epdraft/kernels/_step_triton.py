@@ -34,12 +34,25 @@ def rms_norm_kernel(
 
 
 @triton.jit
-def _norm_rotate(x1, x2, w1, w2, cos, sin, D, eps, dtype: tl.constexpr):
-    """One head's halves: RMSNorm over the head (rounded to dtype), then the half-split rotary."""
-    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+def _norm_rotate_store(src, w_ptr, cos, sin, dst, stride_dst, heads, D, eps, HEADS_P: tl.constexpr, HALF_P: tl.constexpr):
+    """Heads [0, heads) of one row at src (head-major, D each): RMSNorm over each head (rounded to
+    dst's dtype, times the weight, rounded), then the half-split rotary; head i goes to dst + i * stride_dst."""
+    half = D // 2
+    hd = tl.arange(0, HEADS_P)
+    i = tl.arange(0, HALF_P)
+    ok = (hd < heads)[:, None] & (i < half)[None, :]
+    offs = hd[:, None] * D + i[None, :]
+    x1 = tl.load(src + offs, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half + offs, mask=ok, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + i, mask=i < half, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + half + i, mask=i < half, other=0.0).to(tl.float32)[None, :]
+    dtype = dst.dtype.element_ty
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
     n1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     n2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    return (n1 * cos - n2 * sin).to(dtype), (n2 * cos + n1 * sin).to(dtype)
+    out = dst + hd[:, None] * stride_dst + i[None, :]
+    tl.store(out, (n1 * cos[None, :] - n2 * sin[None, :]).to(dtype), mask=ok)
+    tl.store(out + half, (n2 * cos[None, :] + n1 * sin[None, :]).to(dtype), mask=ok)
 
 
 @triton.jit
@@ -49,45 +62,27 @@ def qk_rope_store_kernel(
     stride_q, stride_k, stride_v, stride_tab, stride_qo,
     stride_pp, stride_pg, stride_pc, stride_vp, stride_vg, stride_vc,
     eps,
-    NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, B: tl.constexpr, D: tl.constexpr, HALF_P: tl.constexpr,
+    NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
+    Q_P: tl.constexpr, KV_P: tl.constexpr, HALF_P: tl.constexpr, D_P: tl.constexpr,
 ):  # fmt: skip
-    """One block row (request n, row b) and one head: heads [0, NUM_Q) are query heads (normed,
-    rotated, written to q_out [T, h, D]); the next NUM_KV are KV heads (k normed and rotated, v as
-    is, both written to the request's pool slot at the row's position)."""
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    half = D // 2
+    """One block row (request n = row // B): its query heads normed and rotated into q_out [T, h, D];
+    its KV heads, k normed and rotated and v as is, into the request's pool slot at the row's position."""
+    row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HALF_P)
-    ok = i < half
     pos = tl.load(pos_ptr + row).to(tl.int64)
-    cos = tl.load(cos_ptr + pos * stride_tab + i, mask=ok, other=0.0)
-    sin = tl.load(sin_ptr + pos * stride_tab + i, mask=ok, other=0.0)
-    dtype = q_out_ptr.dtype.element_ty
-    if head < NUM_Q:
-        base = q_ptr + row * stride_q + head * D
-        w_base = qw_ptr
-    else:
-        base = k_ptr + row * stride_k + (head - NUM_Q) * D
-        w_base = kw_ptr
-    x1 = tl.load(base + i, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(base + half + i, mask=ok, other=0.0).to(tl.float32)
-    w1 = tl.load(w_base + i, mask=ok, other=0.0).to(tl.float32)
-    w2 = tl.load(w_base + half + i, mask=ok, other=0.0).to(tl.float32)
-    o1, o2 = _norm_rotate(x1, x2, w1, w2, cos, sin, D, eps, dtype)
-    if head < NUM_Q:
-        out = q_out_ptr + row * stride_qo + head * D
-        tl.store(out + i, o1, mask=ok)
-        tl.store(out + half + i, o2, mask=ok)
-    else:
-        j = head - NUM_Q
-        slot = tl.load(slots_ptr + row // B).to(tl.int64)
-        dst = pool_k_ptr + slot * stride_pp + j * stride_pg + pos * stride_pc
-        tl.store(dst + i, o1.to(pool_k_ptr.dtype.element_ty), mask=ok)
-        tl.store(dst + half + i, o2.to(pool_k_ptr.dtype.element_ty), mask=ok)
-        v_src = v_ptr + row * stride_v + j * D
-        v_dst = pool_v_ptr + slot * stride_vp + j * stride_vg + pos * stride_vc
-        tl.store(v_dst + i, tl.load(v_src + i, mask=ok).to(pool_v_ptr.dtype.element_ty), mask=ok)
-        tl.store(v_dst + half + i, tl.load(v_src + half + i, mask=ok).to(pool_v_ptr.dtype.element_ty), mask=ok)
+    cos = tl.load(cos_ptr + pos * stride_tab + i, mask=i < D // 2, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_tab + i, mask=i < D // 2, other=0.0)
+    _norm_rotate_store(q_ptr + row * stride_q, qw_ptr, cos, sin, q_out_ptr + row * stride_qo, D, NUM_Q, D, eps,
+                       Q_P, HALF_P)  # fmt: skip
+    slot = tl.load(slots_ptr + row // B).to(tl.int64)
+    _norm_rotate_store(k_ptr + row * stride_k, kw_ptr, cos, sin, pool_k_ptr + slot * stride_pp + pos * stride_pc,
+                       stride_pg, NUM_KV, D, eps, KV_P, HALF_P)  # fmt: skip
+    j = tl.arange(0, KV_P)
+    d = tl.arange(0, D_P)
+    ok = (j < NUM_KV)[:, None] & (d < D)[None, :]
+    v = tl.load(v_ptr + row * stride_v + j[:, None] * D + d[None, :], mask=ok)
+    v_dst = pool_v_ptr + slot * stride_vp + pos * stride_vc + j[:, None] * stride_vg + d[None, :]
+    tl.store(v_dst, v.to(pool_v_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -98,11 +93,12 @@ def attention_merge_kernel(
     stride_on, stride_ob, stride_oh,
     G: tl.constexpr, B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Merge one (request, KV head)'s key splits: weights 2^(m_s - M) bring each split's sums to
-    the common max M; rows r = query head j*G + r // B, block row r % B, written to out [N, B, h, D]."""
+    """Merge one (request, KV head)'s key splits for ROWS of its rows: weights 2^(m_s - M) bring each
+    split's sums to the common max M; row r = query head j*G + r // B, block row r % B, written to
+    out [N, B, h, D]."""
     n = tl.program_id(0)
     j = tl.program_id(1)
-    rows = tl.arange(0, ROWS)
+    rows = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < G * B
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
@@ -222,3 +218,13 @@ def ffn_residual_kernel(
     if HAS_RESIDUAL:
         acc = tl.load(r_ptr + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32) + acc
     tl.store(out_ptr + row * stride_o + offs, acc.to(dtype), mask=ok)
+
+
+@triton.jit
+def nonfinite_flag_kernel(x_ptr, flag_ptr, numel, BLOCK: tl.constexpr):
+    """*flag = 1 when any of the block's elements is NaN or inf (flag zeroed by the caller)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
+    bad = tl.sum(tl.where((x != x) | (tl.abs(x) == float("inf")), 1, 0), axis=0)
+    if bad > 0:
+        tl.store(flag_ptr, 1)

@@ -18,6 +18,7 @@ from epdraft.kernels.align import next_pow2
 from epdraft.kernels.step_ops import merge_attention_splits
 
 _BLOCK_S = 64
+_MIN_SPLIT_KEYS = 256
 _TARGET_PROGRAMS = 264  # two per H200 SM: enough splits that a small batch still fills the GPU
 
 
@@ -82,9 +83,11 @@ def sliding_block_attention(
 
 
 def num_splits_for(num_requests: int, num_kv_heads: int, capacity: int) -> int:
-    """Key splits per (request, KV head): enough programs to fill the GPU, none shorter than a tile."""
+    """Key splits per (request, KV head): enough programs to fill the GPU, none shorter than
+    _MIN_SPLIT_KEYS (each split writes a [rows, D] fp32 partial that the merge reads back: at a
+    short context, many splits move more partial bytes than K/V bytes)."""
     wanted = math.ceil(_TARGET_PROGRAMS / max(1, num_requests * num_kv_heads))
-    return max(1, min(wanted, math.ceil(capacity / _BLOCK_S)))
+    return max(1, min(wanted, math.ceil(capacity / _MIN_SPLIT_KEYS)))
 
 
 def block_attention(

@@ -15,6 +15,9 @@ import torch
 
 from epdraft.kernels.align import next_pow2
 
+_MERGE_ROWS = 16  # rows per merge program: N * g programs alone leave most SMs idle at small N
+_FLAG_BLOCK = 4096
+
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, last] with a unit stride in the last dim (a view when it is one)."""
@@ -75,13 +78,14 @@ def qk_norm_rope_store(
     h, g = q_TX.shape[1] // D, k_TX.shape[1] // D
     q_out = torch.empty(N, B, h, D, dtype=pool_k_PgCD.dtype, device=q_TX.device)
     if N:
-        qk_rope_store_kernel[(N * B, h + g)](
+        qk_rope_store_kernel[(N * B,)](
             q_TX, k_TX, v_TX, q_norm_weight, k_norm_weight, cos_CR, sin_CR, positions_NB, slots_N,
             q_out, pool_k_PgCD, pool_v_PgCD,
             q_TX.stride(0), k_TX.stride(0), v_TX.stride(0), cos_CR.stride(0), q_out.stride(1),
             *pool_k_PgCD.stride()[:3], *pool_v_PgCD.stride()[:3],
             eps,
-            NUM_Q=h, NUM_KV=g, B=B, D=D, HALF_P=next_pow2(D // 2), num_warps=1,
+            NUM_Q=h, NUM_KV=g, B=B, D=D, Q_P=next_pow2(h), KV_P=next_pow2(g), HALF_P=next_pow2(D // 2),
+            D_P=next_pow2(D), num_warps=4,
         )  # fmt: skip
     return q_out
 
@@ -92,12 +96,23 @@ def merge_attention_splits(acc: torch.Tensor, stat: torch.Tensor, out_NBhD: torc
     from epdraft.kernels._step_triton import attention_merge_kernel
 
     N, g, splits, rows, D = acc.shape
+    chunk = min(rows, _MERGE_ROWS)
     if N:
-        attention_merge_kernel[(N, g)](
+        attention_merge_kernel[(N, g, -(-G * B // chunk))](
             acc, stat, out_NBhD, splits,
             *acc.stride()[:4], *stat.stride()[:3], *out_NBhD.stride()[:3],
-            G=G, B=B, D=D, ROWS=rows, BLOCK_D=max(16, next_pow2(D)), num_warps=4,
+            G=G, B=B, D=D, ROWS=chunk, BLOCK_D=max(16, next_pow2(D)), num_warps=4,
         )  # fmt: skip
+
+
+def flag_nonfinite(x: torch.Tensor, flag: torch.Tensor) -> None:
+    """Set flag ([1] int32, zeroed by the caller) to 1 when x holds a NaN or inf: the
+    `torch.isfinite(x).all()` of a layer's output in one launch (x contiguous)."""
+    from epdraft.kernels._step_triton import nonfinite_flag_kernel
+
+    n = x.numel()
+    if n:
+        nonfinite_flag_kernel[(-(-n // _FLAG_BLOCK),)](x, flag, n, BLOCK=_FLAG_BLOCK, num_warps=4)
 
 
 SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "softmax_topk": 3}

@@ -10,8 +10,7 @@ from torch import nn
 from epdraft.dispatch.plan import StepPlan
 from epdraft.config.ffn import ActivationSpec
 from epdraft.kernels.step_ops import ffn_residual
-from epdraft.kernels.step_ops import gated_act as fused_gated_act
-from epdraft.layers.activations import gated_act
+from epdraft.layers.projection import gate_up, project
 from epdraft.loading import TensorSource, check_ffn_loaded, load_into
 
 
@@ -70,14 +69,9 @@ class DraftMLP(nn.Module):
     def ungated(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(down(act(gate x, up x)) [T, H], the output gate's logits [T, 1] or None): the MLP before
         its output gate, which a caller may fuse into its own add (`DraftMoE` does)."""
-        gate_TI, up_TI = self.gate_proj(x_TH), self.up_proj(x_TH)
-        if x_TH.is_cuda:
-            act = self.activation
-            h_TI = fused_gated_act(gate_TI, up_TI, act.kind == "swiglu", act.limit, act.alpha)
-        else:
-            h_TI = gated_act(gate_TI, up_TI, self.activation).to(x_TH.dtype)
+        h_TI = gate_up(x_TH, self.gate_proj, self.up_proj, self.activation)
         gate_T1 = self.output_gate(x_TH) if self.output_gate is not None else None
-        return self.down_proj(h_TI), gate_T1
+        return project(h_TI, self.down_proj)[0], gate_T1
 
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | TensorSource) -> set[str]:
         """Copy this layer's tensors from any accepted naming; returns the names consumed, ignores others."""

@@ -12,6 +12,7 @@ from torch import nn
 
 from epdraft.kernels.attention import block_attention, block_attention_reference, sliding_block_attention
 from epdraft.kernels.step_ops import qk_norm_rope_store, rms_norm
+from epdraft.layers.projection import project
 
 
 class RMSNorm(nn.Module):
@@ -164,11 +165,10 @@ class DFlashAttention(nn.Module):
         N, Q, _ = x_NQH.shape
         if x_NQH.is_cuda:
             cos, sin = self.rope_table(pool_k_PgCD.shape[2], x_NQH.device)
-            T = N * Q
+            q_TX, k_TX, v_TX = project(x_NQH.reshape(N * Q, -1), self.q_proj, self.k_proj, self.v_proj)
             q = qk_norm_rope_store(
-                self.q_proj(x_NQH).view(T, -1), self.k_proj(x_NQH).view(T, -1), self.v_proj(x_NQH).view(T, -1),
-                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, positions_NQ, slots_N,
-                pool_k_PgCD, pool_v_PgCD,
+                q_TX, k_TX, v_TX, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, positions_NQ,
+                slots_N, pool_k_PgCD, pool_v_PgCD,
             ).transpose(1, 2)  # fmt: skip
         else:
             q, k_blk, v_blk = self._block_qkv(x_NQH, positions_NQ)
@@ -181,5 +181,5 @@ class DFlashAttention(nn.Module):
         else:
             attend = block_attention if q.is_cuda else block_attention_reference
             out = attend(q, pool_k_PgCD, pool_v_PgCD, slots_N, positions_NQ[:, -1] + 1)
-        out = out.to(x_NQH.dtype)
-        return self.o_proj(out.transpose(1, 2).reshape(N, Q, self.num_heads * self.head_dim))
+        out = out.to(x_NQH.dtype).transpose(1, 2).reshape(N * Q, self.num_heads * self.head_dim)
+        return project(out, self.o_proj)[0].view(N, Q, -1)

@@ -22,6 +22,7 @@ from epdraft.dispatch import Dispatcher, StepPlan
 from epdraft.errors import ConfigError, NonFiniteError
 from epdraft.layers.build import build_ffn
 from epdraft.layers.mlp import DraftMLP
+from epdraft.kernels.step_ops import flag_nonfinite
 from epdraft.layers.moe import DraftMoE
 from epdraft.models.attention import DFlashAttention, RMSNorm
 from epdraft.models.cache import ContextScratch, DraftCache, context_mask, padded_context
@@ -256,12 +257,15 @@ class DFlashDraft(nn.Module):
         B, device = self.spec.block_size, self.device
         ids_NB, x = self._embed_blocks(anchors_N, heads)
         positions_NB = pool.lengths[slots_N].long().unsqueeze(1) + torch.arange(B, device=device)
-        finite_L = []
+        nonfinite_L = torch.zeros(self.spec.num_layers, dtype=torch.int32, device=device)
         for i, layer in enumerate(self.layers):
             x = layer.forward_pooled(x, positions_NB, pool, i, slots_N, plan, ids_NB)
-            finite_L.append(torch.isfinite(x).all())
+            if x.is_cuda:
+                flag_nonfinite(x, nonfinite_L[i : i + 1])
+            else:
+                nonfinite_L[i] = ~torch.isfinite(x).all()
         hidden = self.norm(x)
-        return self.readout(self.draft_rows(hidden), anchors_N, heads), torch.stack(finite_L)
+        return self.readout(self.draft_rows(hidden), anchors_N, heads), nonfinite_L == 0
 
     def forward(
         self,

@@ -1,13 +1,15 @@
-"""The draft step's fused launches (`epdraft.kernels.step_ops`) against the torch chains they replace
-(the CPU path): same values to fp32 rounding order in fp32, and within one bf16 rounding in bf16."""
+"""The draft step's fused launches (`epdraft.kernels.step_ops`, `epdraft.kernels.skinny`) against the
+torch chains and cuBLAS GEMMs they replace (the CPU path): same values to fp32 rounding order in
+fp32, and within one bf16 rounding in bf16."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from epdraft.config.ffn import ActivationSpec, RouterSpec
-from epdraft.kernels import step_ops
+from epdraft.kernels import skinny, step_ops
 from epdraft.layers.activations import gated_act
 from epdraft.layers.routing import route
 from epdraft.models.attention import DFlashAttention, RMSNorm, apply_rope, rope_cos_sin
@@ -101,3 +103,35 @@ def test_ffn_residual_equals_the_torch_adds(dtype):
     _close(step_ops.ffn_residual(r, None, s, gate), r + gated, dtype)
     _close(step_ops.ffn_residual(r, y), r + y, dtype)
     _close(step_ops.ffn_residual(None, y, s), y + s, dtype)
+
+
+def test_flag_nonfinite_sets_only_its_flag():
+    flags = torch.zeros(3, dtype=torch.int32, device="cuda")
+    x = torch.randn(70, 4096, device="cuda").bfloat16()
+    step_ops.flag_nonfinite(x, flags[0:1])
+    x[69, 4095] = float("inf")
+    step_ops.flag_nonfinite(x, flags[1:2])
+    x[69, 4095] = float("nan")
+    step_ops.flag_nonfinite(x, flags[2:3])
+    assert flags.tolist() == [0, 1, 1]
+
+
+@pytest.mark.parametrize("T", [1, 16, 32])
+@pytest.mark.parametrize("K,widths", [(4096, (4096, 1024, 1024)), (1536, (4096,)), (320, (40, 17))])
+def test_skinny_linear_equals_cublas(T, K, widths):
+    x = torch.randn(T, K, device="cuda").bfloat16()
+    ws = [torch.randn(n, K, device="cuda").bfloat16() * K**-0.5 for n in widths]
+    assert skinny.fits(x, ws)
+    _close(skinny.linear(x, ws), torch.cat([F.linear(x, w) for w in ws], 1), torch.bfloat16)
+
+
+@pytest.mark.parametrize("act", [ActivationSpec(), ActivationSpec(kind="swigluoai", limit=7.0, alpha=1.702)])
+@pytest.mark.parametrize("T", [16, 77])
+def test_skinny_gate_up_equals_linear_then_activation(act, T):
+    x = torch.randn(T, 4096, device="cuda").bfloat16()
+    wg, wu = (torch.randn(1536, 4096, device="cuda").bfloat16() * 0.05 for _ in range(2))
+    got = skinny.gate_up_act(x, wg, wu, act.kind == "swiglu", act.limit, act.alpha)
+    # the gate and up products round to bf16 before the activation, as nn.Linear's do, but in
+    # another summation order: a product one bf16 rounding apart moves h by up to ~|h| / 128
+    ref = gated_act(F.linear(x, wg), F.linear(x, wu), act).bfloat16()
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2**-6, atol=5e-2)

@@ -1,0 +1,31 @@
+"""Dense projections of the draft step: the skinny Triton launches where they fit, nn.Linear elsewhere."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from epdraft.config.ffn import ActivationSpec
+from epdraft.kernels import skinny, step_ops
+from epdraft.layers.activations import gated_act
+
+
+def project(x_TK: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:
+    """[linear(x) for linear in linears]: one skinny launch for all of them (outputs are column
+    views of one buffer) when they have no bias and `skinny.fits`, else one nn.Linear call each."""
+    weights = [lin.weight for lin in linears]
+    if all(lin.bias is None for lin in linears) and skinny.fits(x_TK, weights):
+        out = skinny.linear(x_TK, weights)
+        return list(out.split([w.shape[0] for w in weights], dim=1))
+    return [lin(x_TK) for lin in linears]
+
+
+def gate_up(x_TK: torch.Tensor, gate: nn.Linear, up: nn.Linear, act: ActivationSpec) -> torch.Tensor:
+    """act(gate x, up x) rounded to x's dtype (the activation in fp32): one skinny launch where it
+    fits, else the two GEMMs and (CUDA) one activation launch or (CPU) the torch chain."""
+    swiglu = act.kind == "swiglu"
+    if gate.bias is None and up.bias is None and skinny.fits(x_TK, [gate.weight, up.weight]):
+        return skinny.gate_up_act(x_TK, gate.weight, up.weight, swiglu, act.limit, act.alpha)
+    if x_TK.is_cuda:
+        return step_ops.gated_act(gate(x_TK), up(x_TK), swiglu, act.limit, act.alpha)
+    return gated_act(gate(x_TK), up(x_TK), act).to(x_TK.dtype)
