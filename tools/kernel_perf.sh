@@ -9,7 +9,7 @@
 #   bench:shipped|tuned[:SHAPES]  epdraft bench kernel (default A-D; T = 16/128/512/2048) with the
 #                          shipped tables or those in $TABLES; results in bench-<which>.jsonl
 # Weight formats: tune:* tunes $TUNE_WEIGHTS (default bf16), bench:* times $BENCH_WEIGHTS side by side
-# (default bf16; e.g. bf16,fp8,mxfp4).
+# (default bf16; e.g. bf16,fp8,mxfp4, or bf16,mxfp4-bits,mxfp4-dot-scaled for both MXFP4 upcasts).
 # On a machine without internet, put the msgspec wheel in .whl/ first (../shared/tools/device-wheels.sh).
 set -o pipefail
 export PYTHONUNBUFFERED=1

@@ -9,6 +9,11 @@ and compare the hashes. Any line that differs needs a GPU run (tools/kernel_perf
 
 Pointer and stride arguments get the 16-byte divisibility the launches see on the GPU; without it
 Triton neither vectorises nor pipelines the loads and the code would not be what runs.
+
+The last columns read the main loop (the longest backward branch): its instructions, those of the
+integer ALU pipe (LOP3, PRMT, SHF, IADD3, SEL, ISETP, ...; 64 lanes a clock per SM on sm_90, half
+the issue rate), and those ALU ops per weight a thread converts per iteration. A quantized kernel
+bound by its upcast runs at about 64 / (ALU per weight) weights a clock per SM: a lead, not a time.
 """
 
 from __future__ import annotations
@@ -36,10 +41,12 @@ ALIGNED = {"F", "H", "stride_xt", "stride_we", "stride_wn", "stride_wh", "stride
 FLOATS = {"limit", "alpha"}
 
 UP = dict(TOP_K=2, ACT=0, HAS_LIMIT=False, HAS_BIAS=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
-          W_FMT=0, QBN=1, QBK=1)
-DOWN = dict(HAS_BIAS=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, W_FMT=0, QBN=1, QBK=1)
+          W_FMT=0, QBN=1, QBK=1, MXFP4_DOT_SCALED=False)
+DOWN = dict(HAS_BIAS=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, W_FMT=0, QBN=1, QBK=1,
+            MXFP4_DOT_SCALED=False)
 FP8 = dict(W_FMT=1, QBN=128, QBK=128)
-MXFP4 = dict(W_FMT=2)
+MXFP4 = dict(W_FMT=2, MXFP4_DOT_SCALED=True)  # through tl.dot_scaled (issue 15's first path)
+BITS = dict(W_FMT=2, MXFP4_DOT_SCALED=False)  # the bits path (epdraft.kernels.e2m1)
 QUANT_POINTERS = {1: {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, 2: {"w_ptr": "*u8", "s_ptr": "*u8"}}
 # (name, kernel, constexprs, num_warps, num_stages, dtype of out_ptr); quantized cases last (new in issue 15)
 CASES = [
@@ -56,11 +63,16 @@ CASES = [
      {**UP, **MXFP4, "SPLIT_K": 2, "BLOCK_M": 64, "BLOCK_N": 64}, 4, 3, "*bf16"),
     ("down fp8", kernels.gemm2_weight_kernel, {**DOWN, **FP8}, 4, 4, "*bf16"),
     ("down mxfp4", kernels.gemm2_weight_kernel, {**DOWN, **MXFP4}, 4, 4, "*bf16"),
+    ("up mxfp4 bits", kernels.gemm1_act_kernel, {**UP, **BITS}, 4, 4, "*bf16"),
+    ("up mxfp4 bits split 2, 64x64", kernels.gemm1_act_kernel,
+     {**UP, **BITS, "SPLIT_K": 2, "BLOCK_M": 64, "BLOCK_N": 64}, 4, 3, "*bf16"),
+    ("down mxfp4 bits", kernels.gemm2_weight_kernel, {**DOWN, **BITS}, 4, 4, "*bf16"),
 ]  # fmt: skip
 
 
-def sass(fn, constexprs: dict, num_warps: int, num_stages: int, out_type: str) -> str:
-    """The kernel's SASS without addresses and encodings: equal text means equal machine code."""
+def sass(fn, constexprs: dict, num_warps: int, num_stages: int, out_type: str) -> tuple[str, list[str]]:
+    """The kernel's SASS without addresses and encodings (equal text means equal machine code), and
+    its main loop's instructions."""
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -83,14 +95,35 @@ def sass(fn, constexprs: dict, num_warps: int, num_stages: int, out_type: str) -
         cubin.flush()
         dump = subprocess.run([CUOBJDUMP, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
     # "/*0a70*/  HMMA.16816.F32.BF16 R4, R8, R12, R4 ;  /* 0x... */": keep the instruction only.
-    return "\n".join(re.sub(r"/\*[0-9a-f]{4,}\*/", "", line).split(";")[0].strip() for line in dump.splitlines() if "/*" in line)
+    code = "\n".join(re.sub(r"/\*[0-9a-f]{4,}\*/", "", line).split(";")[0].strip() for line in dump.splitlines() if "/*" in line)
+    return code, main_loop(dump)
+
+
+ALU_OPS = ("LOP3", "PRMT", "SHF", "IADD3", "SEL", "ISETP", "PLOP3", "LEA", "IMNMX", "FSEL", "BFE", "BFI")
+
+
+def main_loop(dump: str) -> list[str]:
+    """The instructions of the longest loop: from a backward branch's target address to the branch."""
+    lines = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s*([^;]*);", dump)]
+    best: list[str] = []
+    for address, ins in lines:
+        target = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", ins)
+        if target and int(target.group(1), 16) < address:
+            body = [i for a, i in lines if int(target.group(1), 16) <= a <= address]
+            best = body if len(body) > len(best) else best
+    return best
 
 
 def main() -> None:
-    print(f"{'kernel (sm_90, Triton ' + triton.__version__ + ')':45s} {'sha256 of SASS':18s} instructions")
+    print(f"{'kernel (sm_90, Triton ' + triton.__version__ + ')':45s} {'sha256 of SASS':18s} {'instructions':>12s}"
+          f" {'loop':>5s} {'ALU':>5s} {'ALU/weight':>10s}")
     for name, fn, constexprs, num_warps, num_stages, out_type in CASES:
-        code = sass(fn, constexprs, num_warps, num_stages, out_type)
-        print(f"{name:45s} {hashlib.sha256(code.encode()).hexdigest()[:16]:18s} {code.count(chr(10)) + 1}")
+        code, loop = sass(fn, constexprs, num_warps, num_stages, out_type)
+        alu = sum(1 for ins in loop if ins.split()[ins.startswith("@")].split(".")[0] in ALU_OPS)
+        tiles = 2 if fn is kernels.gemm1_act_kernel else 1  # gate and up
+        weights = tiles * constexprs["BLOCK_N"] * constexprs["BLOCK_K"] / (32 * num_warps)
+        print(f"{name:45s} {hashlib.sha256(code.encode()).hexdigest()[:16]:18s} {code.count(chr(10)) + 1:>12d}"
+              f" {len(loop):>5d} {alu:>5d} {alu / weights:>10.2f}")
 
 
 if __name__ == "__main__":

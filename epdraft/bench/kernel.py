@@ -4,7 +4,9 @@ With `--weights bf16,fp8,mxfp4` every shape and T runs in each weight format sid
 same random weights (quantized by `epdraft.loading.quant`; fp8 with 128 x 128 blocks) and routing:
 bytes count each format's stored values and scales, `x bf16` is the bf16 row's time over this one,
 and the error is against `experts_reference` on the format's dequantized weights. grouped_mm and
-the reference loop are timed for bf16 rows only.
+the reference loop are timed for bf16 rows only. MXFP4 runs through the kernels' default upcast
+(`epdraft.kernels.fused_moe.MXFP4_UPCAST`); `mxfp4-bits` and `mxfp4-dot-scaled` name one upcast
+each, so `--weights bf16,mxfp4-bits,mxfp4-dot-scaled` times both on the same weights.
 
 Every path runs on the same random routing; the fused and grouped_mm paths are timed as CUDA-graph
 replays (median of `triton.testing.do_bench`), the reference loop eagerly (it synchronizes with the
@@ -39,7 +41,8 @@ from epdraft.kernels.tuning import (
     save_table,
     tune,
 )
-from epdraft.kernels.weights import FORMAT_CODES, ExpertWeights
+from epdraft.kernels.fused_moe import MXFP4_UPCAST
+from epdraft.kernels.weights import ExpertWeights
 from epdraft.layers.activations import gated_act
 from epdraft.layers.experts import experts_reference
 
@@ -55,6 +58,15 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
 
 ROOFLINE_BYTES_PER_S = 4.3e12
 
+VARIANTS: dict[str, tuple[str, str]] = {
+    "bf16": ("bf16", MXFP4_UPCAST),
+    "fp8": ("fp8", MXFP4_UPCAST),
+    "mxfp4": ("mxfp4", MXFP4_UPCAST),
+    "mxfp4-bits": ("mxfp4", "bits"),
+    "mxfp4-dot-scaled": ("mxfp4", "dot_scaled"),
+}
+"""`--weights` name -> (weight format, the kernels' mxfp4_upcast; only MXFP4 reads it)."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", default="A,B,C,D", help=f"comma list of {', '.join(SHAPES)} (E, I, H, k)")
@@ -62,17 +74,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tune", default="", metavar="SHAPE", help="comma list of shapes to tune before timing")
     parser.add_argument("--config-dir", type=Path, default=CONFIG_DIR, help="where tuned tables are read and written")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    parser.add_argument("--weights", default="bf16", help="comma list of weight formats: bf16, fp8, mxfp4")
-    parser.add_argument("--tune-weights", default="", help="formats --tune tunes (default: those of --weights)")
+    parser.add_argument("--weights", default="bf16",
+                        help="comma list of weight formats: bf16, fp8, mxfp4 (the default upcast, "
+                             f"{MXFP4_UPCAST}), mxfp4-bits, mxfp4-dot-scaled (one MXFP4 upcast each)")
+    parser.add_argument("--tune-weights", default="", help="formats --tune tunes (default: those of --weights; "
+                        "at most one MXFP4 name: the tuned table is per format)")
     parser.add_argument("--json", type=Path, default=None, help="append one JSON line per (shape, T) here")
 
 
 def _parse_formats(text: str) -> list[str]:
-    formats = [f for f in text.split(",") if f]
-    unknown = [f for f in formats if f not in FORMAT_CODES]
-    if unknown or not formats:
-        raise ConfigError(f"--weights: unknown format(s) {unknown or text!r}; known: {sorted(FORMAT_CODES)}")
-    return formats
+    """`--weights` names in order, each known to `VARIANTS`."""
+    names = [f for f in text.split(",") if f]
+    unknown = [f for f in names if f not in VARIANTS]
+    if unknown or not names:
+        raise ConfigError(f"--weights: unknown format(s) {unknown or text!r}; known: {list(VARIANTS)}")
+    return names
 
 
 def _parse_shapes(text: str) -> list[str]:
@@ -103,9 +119,9 @@ def grouped_mm_experts(x_TH, ids_TK, weights_TK, w13_eNH, w2_eHF, act: Activatio
 
 
 def _bench_one(name: str, num_tokens: int, weights: tuple[ExpertWeights, ExpertWeights], dtype: torch.dtype,
-               config_dir: Path, bf16: tuple[torch.Tensor, torch.Tensor] | None) -> dict:
+               config_dir: Path, bf16: tuple[torch.Tensor, torch.Tensor] | None, upcast: str = MXFP4_UPCAST) -> dict:
     """One (shape, T, format) row. `bf16` holds the format's dequantized weights for the reference;
-    None for bf16 rows, which also time grouped_mm and the reference loop."""
+    None for bf16 rows, which also time grouped_mm and the reference loop. `upcast`: MXFP4's."""
     from triton.testing import do_bench
 
     from epdraft.kernels.align import align_pairs
@@ -124,16 +140,17 @@ def _bench_one(name: str, num_tokens: int, weights: tuple[ExpertWeights, ExpertW
         config = fit_format(config, fmt, w13.block[1], H, I)
     ref13, ref2 = bf16 if bf16 is not None else (w13.values, w2.values)
 
-    fused = fused_experts_with_config(x, ids, topk_w, w13, w2, act, None, None, config)
+    fused = fused_experts_with_config(x, ids, topk_w, w13, w2, act, None, None, config, upcast)
     ref = experts_reference(x, ids, topk_w, ref13, ref2, act)
     scale = ref.float().abs().mean().item()
     err = (fused.float() - ref.float()).abs()
 
-    fused_us = graph_us(lambda: fused_experts_with_config(x, ids, topk_w, w13, w2, act, None, None, config))
+    fused_us = graph_us(lambda: fused_experts_with_config(x, ids, topk_w, w13, w2, act, None, None, config, upcast))
     align_us = graph_us(lambda: align_pairs(ids.view(-1), E, config.block_m))
     aligned = align_pairs(ids.view(-1), E, config.block_m)
     gemms_us = graph_us(
-        lambda: down_combine(up_act(x, aligned, w13, None, act, config.up), aligned, ids, topk_w, w2, None, config.down)
+        lambda: down_combine(up_act(x, aligned, w13, None, act, config.up, upcast), aligned, ids, topk_w, w2, None,
+                             config.down, upcast)
     )
     row = {}
     if fmt == "bf16":
@@ -156,6 +173,7 @@ def _bench_one(name: str, num_tokens: int, weights: tuple[ExpertWeights, ExpertW
         "T": num_tokens,
         "dtype": str(dtype).removeprefix("torch."),
         "weights": fmt,
+        **({"mxfp4_upcast": upcast} if fmt == "mxfp4" else {}),
         "config": msgspec.to_builtins(config),
         "fused_us": fused_us,
         "align_us": align_us,
@@ -171,11 +189,13 @@ def _bench_one(name: str, num_tokens: int, weights: tuple[ExpertWeights, ExpertW
 
 
 def _print_row(row: dict, bf16_us: float | None) -> None:
+    weights = row["weights"] + ({"bits": "-bits", "dot_scaled": "-dot-scaled"}[row["mxfp4_upcast"]]
+                                if "mxfp4_upcast" in row else "")
     gmm = f"{row['grouped_mm_us']:>8.1f}" if "grouped_mm_us" in row else f"{'-':>8}"
     ref = f"{row['reference_us']:>9.1f}" if "reference_us" in row else f"{'-':>9}"
     vs = f"{bf16_us / row['fused_us']:>6.2f}" if bf16_us is not None else f"{'-':>6}"
     print(
-        f"{row['shape']:>5} {row['T']:>5} {row['weights']:>6} {row['fused_us']:>9.1f} {row['align_us']:>8.1f}"
+        f"{row['shape']:>5} {row['T']:>5} {weights:>16} {row['fused_us']:>9.1f} {row['align_us']:>8.1f}"
         f" {row['gemms_us']:>8.1f} {gmm} {ref} {row['bytes'] / 1e6:>9.1f} {row['roofline_pct']:>6.1f}"
         f" {row['tflops']:>8.1f} {vs} {row['max_err_rel']:>8.4f}",
         flush=True,
@@ -189,14 +209,19 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("epdraft bench kernel needs a CUDA device")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     tokens = [int(t) for t in args.tokens.split(",") if t]
-    formats = _parse_formats(args.weights)
+    variants = _parse_formats(args.weights)
+    formats = list(dict.fromkeys(VARIANTS[v][0] for v in variants))  # each format quantized once
     if dtype != torch.bfloat16 and formats != ["bf16"]:
         raise ConfigError("--weights fp8/mxfp4 need --dtype bf16 (bf16 activations)")
     device_name = torch.cuda.get_device_name()
+    tuned = [VARIANTS[v] for v in _parse_formats(args.tune_weights or args.weights)]
+    if [fmt for fmt, _ in tuned].count("mxfp4") > 1:
+        raise ConfigError("--tune-weights: name one MXFP4 upcast (mxfp4, mxfp4-bits or mxfp4-dot-scaled); "
+                          "the tuned table is one per format")
     for name in _parse_shapes(args.tune):
         E, I, H, K = SHAPES[name]
-        for fmt in _parse_formats(args.tune_weights or args.weights):
-            table = tune(E, I, H, K, dtype, tokens, fmt)
+        for fmt, upcast in tuned:
+            table = tune(E, I, H, K, dtype, tokens, fmt, upcast)
             path = args.config_dir / config_file_name(E, 2 * I, H, dtype, device_name, fmt)
             save_table(table, path)
             log.info("tuned shape %s (%s weights) -> %s", name, fmt, path)
@@ -207,7 +232,7 @@ def main(args: argparse.Namespace) -> int:
         "date": datetime.date.today().isoformat(),
     }
     rows = []
-    header = f"{'shape':>5} {'T':>5} {'w':>6} {'fused us':>9} {'align us':>8} {'gemms us':>8} {'gmm us':>8}"
+    header = f"{'shape':>5} {'T':>5} {'weights':>16} {'fused us':>9} {'align us':>8} {'gemms us':>8} {'gmm us':>8}"
     header += f" {'ref us':>9} {'bytes MB':>9}"
     header += f" {'%roof':>6} {'TFLOP/s':>8} {'x bf16':>6} {'max err':>8}"
     print(header)
@@ -218,11 +243,12 @@ def main(args: argparse.Namespace) -> int:
         w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I**-0.5).to(dtype)
         stored = {fmt: (quantize_weights(w13, fmt), quantize_weights(w2, fmt)) for fmt in formats}
         del w13, w2
-        for fmt in formats:
+        for variant in variants:
+            fmt, upcast = VARIANTS[variant]
             q13, q2 = stored[fmt]
             reference = None if fmt == "bf16" else (q13.dequantized(dtype), q2.dequantized(dtype))
             for num_tokens in tokens:
-                row = {**meta, **_bench_one(name, num_tokens, stored[fmt], dtype, args.config_dir, reference)}
+                row = {**meta, **_bench_one(name, num_tokens, stored[fmt], dtype, args.config_dir, reference, upcast)}
                 rows.append(row)
                 if args.json is not None:  # row by row: a run cut short keeps what it measured
                     with args.json.open("a") as f:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from epdraft.kernels.e2m1 import E2M1_CONSTRAINTS, E2M1_HI_PTX, E2M1_LO_PTX
+
 ACT_SWIGLU = 0
 ACT_SWIGLUOAI = 1
 
@@ -137,13 +139,64 @@ def _k_slice(pid_k, K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
     return k_tiles, pid_k * k_tiles * BLOCK_K + tl.arange(0, BLOCK_K)
 
 
+_E2M1_LO_PTX = tl.constexpr(E2M1_LO_PTX)
+_E2M1_HI_PTX = tl.constexpr(E2M1_HI_PTX)
+_E2M1_CONSTRAINTS = tl.constexpr(E2M1_CONSTRAINTS)
+
+
+@triton.jit
+def _even_odd(a_pairs):
+    """bf16 K-column pairs read as int32 [M, K/2] -> the even and the odd columns, each [M, K/2] bf16."""
+    even = (a_pairs & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    odd = (a_pairs >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return even, odd
+
+
+@triton.jit
+def _e8m0_to_bf16(e):
+    """uint8 e8m0 exponents -> bf16 2**(e - 127) (e << 7 as bits: 0 for e = 0, +inf for e = 255)."""
+    return (e.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _e2m1_to_bf16(w):
+    """uint8 bytes of two e2m1 codes -> (their low nibbles, their high nibbles) as unscaled bf16, same shape.
+
+    `epdraft.kernels.e2m1` says how. Keep the bytes' `tl.load` right before this call: Triton then
+    loads them straight into the dot operand's register layout (see E2M1_LO_PTX).
+    """
+    lo = tl.inline_asm_elementwise(_E2M1_LO_PTX, _E2M1_CONSTRAINTS, [w], dtype=tl.bfloat16, is_pure=True, pack=4)
+    hi = tl.inline_asm_elementwise(_E2M1_HI_PTX, _E2M1_CONSTRAINTS, [w], dtype=tl.bfloat16, is_pure=True, pack=4)
+    return lo, hi
+
+
+@triton.jit
+def _dot_mxfp4_bits(a_even, a_odd, acc, w_ptr, s_ptr, expert, rows, k0, stride_we, stride_wn, stride_se, stride_sn,
+                    BLOCK_K: tl.constexpr):
+    """acc + a @ W[rows, k0 : k0 + BLOCK_K]^T for MXFP4 rows `rows` (int64) of `expert`, a given as its
+    even and odd K columns [BLOCK_M, BLOCK_K / 2]: each byte's low nibble is an even column's weight,
+    its high nibble the next odd one's, so the two bf16 tiles (`_e2m1_to_bf16`, times the group's
+    scale as bf16) multiply a_even and a_odd apart: no weight tile is interleaved.
+    """
+    offs_s = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scale = _e8m0_to_bf16(tl.load(s_ptr + expert * stride_se + rows[None, :] * stride_sn + offs_s[:, None]))
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], [BLOCK_K // 32, 16, rows.shape[0]]),
+                       [BLOCK_K // 2, rows.shape[0]])  # [K/2, N]: one scale per 16 bytes along K
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    w = tl.load(w_ptr + expert * stride_we + rows[None, :] * stride_wn + offs_b[:, None])  # [K/2, N] uint8
+    lo, hi = _e2m1_to_bf16(w)
+    acc = tl.dot(a_even, lo * scale, acc)
+    return tl.dot(a_odd, hi * scale, acc)
+
+
 @triton.jit
 def _dot_quantized(a, acc, w_ptr, s_ptr, expert, rows, k0, stride_we, stride_wn, stride_se, stride_sn,
                    W_FMT: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc + a @ W[rows, k0 : k0 + BLOCK_K]^T for quantized weight rows `rows` (int64) of `expert`.
 
     FP8: the e4m3 tile (exact in bf16) times a, then the product times the block's fp32 scale per
-    column; MXFP4: `tl.dot_scaled` (e2m1 upcast with its e8m0 scales, exact in bf16).
+    column; MXFP4: `tl.dot_scaled` (e2m1 upcast with its e8m0 scales, exact in bf16). The MXFP4
+    bits path is `_dot_mxfp4_bits`.
     """
     if W_FMT == 1:
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -200,6 +253,7 @@ def gemm1_act_kernel(
     W_FMT: tl.constexpr = 0,
     QBN: tl.constexpr = 1,
     QBK: tl.constexpr = 1,
+    MXFP4_DOT_SCALED: tl.constexpr = False,
 ):
     """h[rows, n] = act(x W_gate^T + b_gate, x W_up^T + b_up) for one block of sorted rows.
 
@@ -207,6 +261,8 @@ def gemm1_act_kernel(
     (`[e, ceil(2F/QBN), ceil(H/QBK)]`, QBK a multiple of BLOCK_K); 2 = MXFP4, `w_ptr` the packed
     bytes `[e, 2F, H/2]` and `s_ptr` the e8m0 scales `[e, 2F, H/32]`. Quantized tiles are
     converted to bf16 right after their load and scaled (`_dot_quantized`); K must be even.
+    MXFP4_DOT_SCALED: MXFP4 through `tl.dot_scaled`; else the bits path (`_dot_mxfp4_bits`), which
+    reads x's K-column pairs as int32 (x contiguous along H, stride_xt even, 4-byte aligned).
 
     With SPLIT_K > 1 each program sums one slice of H into fp32 partials (`part_ptr`, gate then up
     columns); the tile's last program to arrive (counted in `arrived_ptr`, left zeroed) adds the
@@ -245,12 +301,21 @@ def gemm1_act_kernel(
         tl.static_assert(EVEN_K, "quantized weights need H % (BLOCK_K * SPLIT_K) == 0")
         w_rows = offs_n_w.to(tl.int64)
         k_first = pid_k * k_tiles * BLOCK_K
+        a_pairs_ptrs = (x_ptr.to(tl.pointer_type(tl.int32)) + token[:, None] * (stride_xt // 2)
+                        + (k_first // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
         for k in range(0, k_tiles):
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            acc_g = _dot_quantized(a, acc_g, w_ptr, s_ptr, expert, w_rows, k_first + k * BLOCK_K, stride_we,
-                                   stride_wn, stride_se, stride_sn, W_FMT, QBN, QBK, BLOCK_K)
-            acc_u = _dot_quantized(a, acc_u, w_ptr, s_ptr, expert, w_rows + F, k_first + k * BLOCK_K, stride_we,
-                                   stride_wn, stride_se, stride_sn, W_FMT, QBN, QBK, BLOCK_K)
+            if W_FMT == 2 and not MXFP4_DOT_SCALED:
+                a_even, a_odd = _even_odd(tl.load(a_pairs_ptrs + k * (BLOCK_K // 2), mask=valid[:, None], other=0))
+                acc_g = _dot_mxfp4_bits(a_even, a_odd, acc_g, w_ptr, s_ptr, expert, w_rows, k_first + k * BLOCK_K,
+                                        stride_we, stride_wn, stride_se, stride_sn, BLOCK_K)
+                acc_u = _dot_mxfp4_bits(a_even, a_odd, acc_u, w_ptr, s_ptr, expert, w_rows + F, k_first + k * BLOCK_K,
+                                        stride_we, stride_wn, stride_se, stride_sn, BLOCK_K)
+            else:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                acc_g = _dot_quantized(a, acc_g, w_ptr, s_ptr, expert, w_rows, k_first + k * BLOCK_K, stride_we,
+                                       stride_wn, stride_se, stride_sn, W_FMT, QBN, QBK, BLOCK_K)
+                acc_u = _dot_quantized(a, acc_u, w_ptr, s_ptr, expert, w_rows + F, k_first + k * BLOCK_K, stride_we,
+                                       stride_wn, stride_se, stride_sn, W_FMT, QBN, QBK, BLOCK_K)
             a_ptrs += BLOCK_K * stride_xh
     store_n = offs_n[None, :] < F
     if SPLIT_K > 1:
@@ -314,12 +379,13 @@ def gemm2_weight_kernel(
     W_FMT: tl.constexpr = 0,
     QBN: tl.constexpr = 1,
     QBK: tl.constexpr = 1,
+    MXFP4_DOT_SCALED: tl.constexpr = False,
 ):
     """out[split, pair, n] = w_pair * (h W_down^T (+ b_down in split 0)) over this split's slice of F.
 
     Split-K gives short down GEMMs (few rows, K = F) enough programs to cover the SMs; the
     partial sums are added in a fixed order by `topk_sum_kernel`, so the result is deterministic.
-    W_FMT, QBN, QBK: as in `gemm1_act_kernel`, for W_down `[e, H, F]`.
+    W_FMT, QBN, QBK, MXFP4_DOT_SCALED: as in `gemm1_act_kernel`, for W_down `[e, H, F]` (h's pairs as int32).
     """
     pid_m, pid_n, pid_k = _tile(tl.program_id(0), num_blocks, tl.cdiv(H, BLOCK_N), group_m, SPLIT_K)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -346,10 +412,17 @@ def gemm2_weight_kernel(
         tl.static_assert(EVEN_K, "quantized weights need F % (BLOCK_K * SPLIT_K) == 0")
         w_rows = offs_n_w.to(tl.int64)
         k_first = pid_k * k_tiles * BLOCK_K
+        a_pairs_ptrs = (h_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None].to(tl.int64) * (stride_hm // 2)
+                        + (k_first // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
         for k in range(0, k_tiles):
-            a = tl.load(a_ptrs)
-            acc = _dot_quantized(a, acc, w_ptr, s_ptr, expert, w_rows, k_first + k * BLOCK_K, stride_we, stride_wh,
-                                 stride_se, stride_sh, W_FMT, QBN, QBK, BLOCK_K)
+            if W_FMT == 2 and not MXFP4_DOT_SCALED:
+                a_even, a_odd = _even_odd(tl.load(a_pairs_ptrs + k * (BLOCK_K // 2)))
+                acc = _dot_mxfp4_bits(a_even, a_odd, acc, w_ptr, s_ptr, expert, w_rows, k_first + k * BLOCK_K,
+                                      stride_we, stride_wh, stride_se, stride_sh, BLOCK_K)
+            else:
+                a = tl.load(a_ptrs)
+                acc = _dot_quantized(a, acc, w_ptr, s_ptr, expert, w_rows, k_first + k * BLOCK_K, stride_we,
+                                     stride_wh, stride_se, stride_sh, W_FMT, QBN, QBK, BLOCK_K)
             a_ptrs += BLOCK_K
     if HAS_BIAS:
         if pid_k == 0:

@@ -10,10 +10,15 @@ synchronization (CUDA-graph safe):
 With one choice per row (K = 1, e.g. rows an all-to-all dispatcher delivered) and no split, the
 down GEMM writes y's rows directly and the sum launch is skipped; rows with id -1 stay zero.
 The weights may be bf16/fp16, FP8 e4m3 with block scales or MXFP4 (`ExpertWeights`): the GEMMs
-dequantize each tile right after its load; activations stay bf16 and accumulation fp32.
+dequantize each tile right after its load; activations stay bf16 and accumulation fp32. MXFP4 tiles
+are upcast one of two ways (`mxfp4_upcast`): "bits" builds the bf16 weights with integer ops
+(`epdraft.kernels.e2m1`) and multiplies the activations' even and odd K columns apart; "dot_scaled"
+hands the packed tile and its scales to `tl.dot_scaled`. Both equal the dequantized reference.
 """
 
 from __future__ import annotations
+
+from typing import Literal, get_args
 
 import torch
 
@@ -24,6 +29,10 @@ from epdraft.kernels.tuning import DownConfig, MoeKernelConfig, UpConfig, dtype_
 from epdraft.kernels.weights import ExpertWeights, as_weights
 
 _TOPK_SUM_BLOCK_H = 1024
+
+Mxfp4Upcast = Literal["bits", "dot_scaled"]
+MXFP4_UPCAST: Mxfp4Upcast = "bits"
+"""How the kernels upcast MXFP4 tiles unless told otherwise (`epdraft bench kernel` times both)."""
 
 
 def _check_inputs(x_TH, ids_TK, weights_TK, w13_eNH, w2_eHF, b13_eN, b2_eH) -> None:
@@ -109,6 +118,7 @@ def fused_experts_quantized(
     act: ActivationSpec,
     b13_eN: torch.Tensor | None = None,
     b2_eH: torch.Tensor | None = None,
+    mxfp4_upcast: Mxfp4Upcast = MXFP4_UPCAST,
 ) -> torch.Tensor:
     """`fused_experts` on quantized weights (`ExpertWeights`, both GEMMs in one format): the same
     result as `experts_reference` on `w13.dequantized(bf16)` and `w2.dequantized(bf16)`, within bf16 drift.
@@ -116,6 +126,7 @@ def fused_experts_quantized(
     x_TH is bf16; H and F must be multiples of 64 (the kernels run whole K tiles of 64 or more) and
     FP8 scale blocks must have a multiple of 64 columns. The tuned table is the format's own
     (`weights=fp8|mxfp4` in its file name), else the shape's bf16 table cut by `fit_format`.
+    `mxfp4_upcast` picks the MXFP4 tiles' upcast (module docstring); other formats ignore it.
 
     Raises:
         ConfigError: a tensor with the wrong shape, dtype, device or layout, or a format the kernels cannot take.
@@ -136,7 +147,7 @@ def fused_experts_quantized(
     T, K = ids_TK.shape
     config = get_config(e, N, H, x_TH.dtype, T, K, torch.cuda.get_device_name(x_TH.device), weights=w13.format)
     config = fit_format(config, w13.format, w13.block[1], H, N // 2)
-    return fused_experts_with_config(x_TH, ids_TK, weights_TK, w13, w2, act, b13_eN, b2_eH, config)
+    return fused_experts_with_config(x_TH, ids_TK, weights_TK, w13, w2, act, b13_eN, b2_eH, config, mxfp4_upcast)
 
 
 def fused_experts_with_config(
@@ -149,6 +160,7 @@ def fused_experts_with_config(
     b13_eN: torch.Tensor | None,
     b2_eH: torch.Tensor | None,
     config: MoeKernelConfig,
+    mxfp4_upcast: Mxfp4Upcast = MXFP4_UPCAST,
 ) -> torch.Tensor:
     """`fused_experts` with an explicit launch config and no input checks (the tuner and benchmarks)."""
     T, H = x_TH.shape
@@ -156,8 +168,23 @@ def fused_experts_with_config(
         return x_TH.new_zeros(0, H)
     ids_TK = ids_TK.contiguous()
     aligned = align_pairs(ids_TK.view(-1), as_weights(w13_eNH).shape[0], config.block_m)
-    h_MF = up_act(x_TH, aligned, w13_eNH, b13_eN, act, config.up)
-    return down_combine(h_MF, aligned, ids_TK, weights_TK.contiguous(), w2_eHF, b2_eH, config.down)
+    h_MF = up_act(x_TH, aligned, w13_eNH, b13_eN, act, config.up, mxfp4_upcast)
+    return down_combine(h_MF, aligned, ids_TK, weights_TK.contiguous(), w2_eHF, b2_eH, config.down, mxfp4_upcast)
+
+
+def _mxfp4_dot_scaled(w: ExpertWeights, mxfp4_upcast: str) -> bool:
+    """The kernels' MXFP4_DOT_SCALED constexpr (False for every other format: one compiled kernel)."""
+    if mxfp4_upcast not in get_args(Mxfp4Upcast):
+        raise ConfigError(f"mxfp4_upcast = {mxfp4_upcast!r}; expected one of {list(get_args(Mxfp4Upcast))}")
+    return w.format == "mxfp4" and mxfp4_upcast == "dot_scaled"
+
+
+def _pairs_aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` [rows, K] itself if the bits path can read its K-column pairs as int32 (unit stride along
+    K, even row stride, 4-byte aligned), else a contiguous copy."""
+    if t.stride(1) == 1 and t.stride(0) % 2 == 0 and t.data_ptr() % 4 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def up_act(
@@ -167,12 +194,16 @@ def up_act(
     b13_eN: torch.Tensor | None,
     act: ActivationSpec,
     up: UpConfig,
+    mxfp4_upcast: Mxfp4Upcast = MXFP4_UPCAST,
 ) -> torch.Tensor:
     """h_MF [max_rows, F] in x's dtype: the activated gate/up product of every sorted row (padding rows hold junk)."""
     from epdraft.kernels._triton import ACT_SWIGLU, ACT_SWIGLUOAI, gemm1_act_kernel
 
     T, H = x_TH.shape
     w13 = as_weights(w13_eNH)
+    dot_scaled = _mxfp4_dot_scaled(w13, mxfp4_upcast)
+    if w13.format == "mxfp4" and not dot_scaled:
+        x_TH = _pairs_aligned(x_TH)
     e, N, _ = w13.shape
     values = w13.values
     scales = w13.scales if w13.scales is not None else values
@@ -225,6 +256,7 @@ def up_act(
         W_FMT=w13.code,
         QBN=w13.block[0] if w13.format == "fp8" else 1,  # only fp8 reads them: one compiled kernel otherwise
         QBK=w13.block[1] if w13.format == "fp8" else 1,
+        MXFP4_DOT_SCALED=dot_scaled,
         num_warps=up.num_warps,
         num_stages=up.num_stages,
     )
@@ -239,12 +271,16 @@ def down_combine(
     w2_eHF: torch.Tensor | ExpertWeights,
     b2_eH: torch.Tensor | None,
     down: DownConfig,
+    mxfp4_upcast: Mxfp4Upcast = MXFP4_UPCAST,
 ) -> torch.Tensor:
     """y_TH: the weighted down projection of every pair, summed per token (ids_TK, weights_TK contiguous)."""
     from epdraft.kernels._triton import gemm2_weight_kernel, topk_sum_kernel
 
     T, K = ids_TK.shape
     w2 = as_weights(w2_eHF)
+    dot_scaled = _mxfp4_dot_scaled(w2, mxfp4_upcast)
+    if w2.format == "mxfp4" and not dot_scaled:
+        h_MF = _pairs_aligned(h_MF)
     e, H, F_ = w2.shape
     values = w2.values
     scales = w2.scales if w2.scales is not None else values
@@ -290,6 +326,7 @@ def down_combine(
         W_FMT=w2.code,
         QBN=w2.block[0] if w2.format == "fp8" else 1,  # only fp8 reads them: one compiled kernel otherwise
         QBK=w2.block[1] if w2.format == "fp8" else 1,
+        MXFP4_DOT_SCALED=dot_scaled,
         num_warps=down.num_warps,
         num_stages=down.num_stages,
     )

@@ -353,6 +353,7 @@ def tune(
     dtype: torch.dtype,
     tokens: list[int],
     weights: str = "bf16",
+    mxfp4_upcast: str | None = None,
 ) -> dict[int, MoeKernelConfig]:
     """Search block rows, then the up and down GEMMs apart (they do not interact), per token count.
 
@@ -362,11 +363,14 @@ def tune(
     (`graph_us`), as the forward runs in a server, so launch gaps and split-K's counter reset count
     as they will there. The fastest up + down pair over block sizes wins. `weights` fp8 | mxfp4
     tunes the quantized kernels on random weights quantized by `epdraft.loading.quant`
-    (fp8 with 128 x 128 blocks), among the candidates they can run.
+    (fp8 with 128 x 128 blocks), among the candidates they can run; MXFP4 through `mxfp4_upcast`
+    (default: the kernels' `MXFP4_UPCAST`).
     """
     from epdraft.config.ffn import ActivationSpec
     from epdraft.kernels.align import align_pairs
-    from epdraft.kernels.fused_moe import down_combine, up_act
+    from epdraft.kernels.fused_moe import MXFP4_UPCAST, down_combine, up_act
+
+    mxfp4_upcast = mxfp4_upcast or MXFP4_UPCAST
 
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=device).manual_seed(0)
@@ -384,11 +388,12 @@ def tune(
         for block_m in block_m_candidates(num_tokens, top_k, num_experts):
             aligned = align_pairs(ids.view(-1), num_experts, block_m)
             ups = [c for c in up_candidates(block_m, rows, num_experts, hidden) if fits_format(c, weights, hidden)]
-            up, up_time = _search(lambda c: up_act(x, aligned, w13, None, act, c), ups)
-            h = up_act(x, aligned, w13, None, act, up)
+            up, up_time = _search(lambda c: up_act(x, aligned, w13, None, act, c, mxfp4_upcast), ups)
+            h = up_act(x, aligned, w13, None, act, up, mxfp4_upcast)
             downs = [c for c in down_candidates(block_m, rows, num_experts, intermediate)
                      if fits_format(c, weights, intermediate)]
-            down, down_time = _search(lambda c: down_combine(h, aligned, ids, topk_w, w2, None, c), downs)
+            down, down_time = _search(lambda c: down_combine(h, aligned, ids, topk_w, w2, None, c, mxfp4_upcast),
+                                      downs)
             log.info("T=%d block_m=%d: up %.1f us %s, down %.1f us %s", num_tokens, block_m, up_time, up, down_time, down)
             if up_time + down_time < best_us:
                 best_us = up_time + down_time

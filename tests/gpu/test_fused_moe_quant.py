@@ -2,9 +2,12 @@
 dequantized bf16 weights: the four `epdraft bench kernel` shapes, T in {0, 1, 16, 128, 512, 2048}.
 
 The bound is DESIGN.md's bf16 drift (max |dy| <= 0.2 mean|y|, mean <= 0.02 mean|y|). MXFP4 tiles are
-exact in bf16, as the reference's dequantization is; FP8 tiles multiply as exact e4m3 values and
-their block scale is applied to the fp32 partial product, where the reference rounds fp8 * scale
-to bf16 first: a difference of at most one bf16 rounding per weight, besides accumulation order.
+exact in bf16, as the reference's dequantization is, through either upcast (`mxfp4_upcast`: the
+bits path, `epdraft.kernels.e2m1`, and `tl.dot_scaled`), and the two upcasts agree to accumulation
+order; FP8 tiles multiply as exact e4m3 values and their block scale is applied to the fp32 partial
+product, where the reference rounds fp8 * scale to bf16 first: a difference of at most one bf16
+rounding per weight, besides accumulation order. The last tests run the bits path's Triton upcast
+alone on every byte and scale, bit for bit.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from tests.gpu.test_fused_moe import assert_matches
 pytestmark = pytest.mark.gpu
 
 TOKENS = (0, 1, 16, 128, 512, 2048)
+# (format, mxfp4_upcast): fp8 ignores the upcast
+FORMATS = [("fp8", "bits"), ("mxfp4", "bits"), ("mxfp4", "dot_scaled")]
 
 
 @functools.lru_cache(maxsize=1)
@@ -37,9 +42,9 @@ def _weights(shape: str, fmt: str):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("fmt, upcast", FORMATS)
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_quantized_experts_match_the_dequantized_reference(shape, fmt):
+def test_quantized_experts_match_the_dequantized_reference(shape, fmt, upcast):
     from epdraft.kernels.fused_moe import fused_experts_quantized
 
     E, I, H, K = SHAPES[shape]
@@ -49,7 +54,7 @@ def test_quantized_experts_match_the_dequantized_reference(shape, fmt):
         gen = torch.Generator(device="cuda").manual_seed(num_tokens)
         x = torch.randn(num_tokens, H, device="cuda", generator=gen).to(torch.bfloat16)
         ids, weights = random_routing(num_tokens, E, K, torch.device("cuda"), gen)
-        out = fused_experts_quantized(x, ids, weights, w13, w2, ActivationSpec())
+        out = fused_experts_quantized(x, ids, weights, w13, w2, ActivationSpec(), mxfp4_upcast=upcast)
         try:
             assert_matches(out, experts_reference(x, ids, weights, ref13, ref2, ActivationSpec()))
         except AssertionError as e:
@@ -57,9 +62,9 @@ def test_quantized_experts_match_the_dequantized_reference(shape, fmt):
     assert not failures, "; ".join(failures)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("fmt, upcast", FORMATS)
 @pytest.mark.parametrize("up_split, down_split, block_m", [(1, 1, 16), (2, 4, 16), (1, 2, 64)])
-def test_quantized_split_k_bias_and_clamp(fmt, up_split, down_split, block_m):
+def test_quantized_split_k_bias_and_clamp(fmt, upcast, up_split, down_split, block_m):
     """Split-K partials, expert biases, the swigluoai clamp and dropped (-1) pairs on quantized weights."""
     from epdraft.kernels.fused_moe import fused_experts_with_config
 
@@ -75,10 +80,50 @@ def test_quantized_split_k_bias_and_clamp(fmt, up_split, down_split, block_m):
     act = ActivationSpec(kind="swigluoai", limit=7.0)
     config = MoeKernelConfig(block_m=block_m, up=UpConfig(block_n=64, block_k=128, split_k=up_split),
                              down=DownConfig(block_n=64, block_k=64, split_k=down_split))
-    out = fused_experts_with_config(x, ids, weights, w13, w2, act, b13, b2, config)
+    out = fused_experts_with_config(x, ids, weights, w13, w2, act, b13, b2, config, upcast)
     ref = experts_reference(x, ids, weights, w13.dequantized(torch.bfloat16), w2.dequantized(torch.bfloat16), act,
                             b13, b2)
     assert_matches(out, ref)
+
+
+def test_mxfp4_upcasts_agree_and_take_any_activation_layout():
+    """Both upcasts on the same weights agree to accumulation order; the bits path (which reads x's
+    K-column pairs as int32) takes a strided, 2-byte-offset x by copying it."""
+    from epdraft.kernels.fused_moe import fused_experts_quantized
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    w13 = quantize_weights(torch.randn(8, 512, 512, device="cuda", generator=gen) * 512**-0.5, "mxfp4")
+    w2 = quantize_weights(torch.randn(8, 512, 256, device="cuda", generator=gen) * 256**-0.5, "mxfp4")
+    wide = torch.randn(100, 513, device="cuda", generator=gen).to(torch.bfloat16)
+    x = wide[:, 1:]  # row stride 513 (odd), base 2 bytes past an alignment
+    ids, weights = random_routing(100, 8, 2, torch.device("cuda"), gen)
+    bits = fused_experts_quantized(x, ids, weights, w13, w2, ActivationSpec(), mxfp4_upcast="bits")
+    dot_scaled = fused_experts_quantized(x.contiguous(), ids, weights, w13, w2, ActivationSpec(),
+                                         mxfp4_upcast="dot_scaled")
+    assert_matches(bits, dot_scaled)
+    # the same bf16 products summed in another order: a rare last-bit flip of an h or y rounding
+    assert (bits.float() - dot_scaled.float()).abs().mean() <= 1e-3 * dot_scaled.float().abs().mean()
+    with pytest.raises(ConfigError, match="mxfp4_upcast = 'fast'; expected one of"):
+        fused_experts_quantized(x, ids, weights, w13, w2, ActivationSpec(), mxfp4_upcast="fast")
+
+
+def test_bits_upcast_is_the_reference_for_every_byte_and_scale():
+    """Every byte x every e8m0 scale on the device: bit for bit the reference for 2 <= e <= 254; e = 1
+    exact or flushed to zero where the result is subnormal; e = 0 zeros, e = 255 infinities or NaN
+    (epdraft.kernels.e2m1 says why)."""
+    from epdraft.loading.quant import dequantize_mxfp4
+    from tests.gpu._upcast_kernel import upcast
+
+    byte = torch.arange(256, dtype=torch.uint8, device="cuda").repeat(256)  # [65536]: 256 scales x 256 bytes
+    e = torch.arange(256, dtype=torch.uint8, device="cuda").repeat_interleave(256)
+    lo, hi = upcast(byte, e)
+    got = torch.stack((lo, hi), dim=-1).view(256, 512).view(torch.int16)  # [scale, element 2j / 2j+1]
+    ref = dequantize_mxfp4(byte.view(256, 16, 16), e.view(256, 256)[:, ::16], torch.bfloat16).view(torch.int16)
+    assert torch.equal(got[2:255], ref[2:255])
+    flushed = (got[1] != ref[1])
+    assert (got[1][flushed] == 0).all() and (ref[1][flushed].view(torch.bfloat16).abs() < 2**-126).all()
+    assert (got[0].view(torch.bfloat16) == 0).all()
+    assert (got[255].view(torch.bfloat16).isinf() | got[255].view(torch.bfloat16).isnan()).all()
 
 
 def test_quantized_refusals_name_the_tensor():
