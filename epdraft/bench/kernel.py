@@ -214,7 +214,7 @@ def main(args: argparse.Namespace) -> int:
     if dtype != torch.bfloat16 and formats != ["bf16"]:
         raise ConfigError("--weights fp8/mxfp4 need --dtype bf16 (bf16 activations)")
     device_name = torch.cuda.get_device_name()
-    tuned = [VARIANTS[v] for v in _parse_formats(args.tune_weights or args.weights)]
+    tuned = [VARIANTS[v] for v in _parse_formats(args.tune_weights or args.weights)] if args.tune else []
     if [fmt for fmt, _ in tuned].count("mxfp4") > 1:
         raise ConfigError("--tune-weights: name one MXFP4 upcast (mxfp4, mxfp4-bits or mxfp4-dot-scaled); "
                           "the tuned table is one per format")

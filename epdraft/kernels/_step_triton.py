@@ -122,37 +122,24 @@ def attention_merge_kernel(
 
 
 @triton.jit
-def router_topk_kernel(
-    x_ptr, w_ptr, logit_bias_ptr, sel_bias_ptr, ids_ptr, weights_ptr,
-    T, E, H, stride_x, stride_w, renorm_eps, scale,
-    TOP_K: tl.constexpr, K: tl.constexpr, SCORING: tl.constexpr, HAS_LOGIT_BIAS: tl.constexpr,
-    HAS_SEL_BIAS: tl.constexpr, NORM: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+def topk_route_kernel(
+    logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, stride_l, renorm_eps, scale,
+    TOP_K: tl.constexpr, K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    """BLOCK_T tokens: fp32 logits x W^T (+ logit bias; x upcast, exact fp32 FMAs), their scores,
-    top-TOP_K by TOP_K passes of argmax (ties: the lower expert), then the combine weights as
-    `epdraft.layers.routing.route` makes them; K is TOP_K rounded up to a power of two.
+    """One token: scores from its fp32 logits, top-TOP_K by TOP_K passes of argmax (ties: the lower
+    expert), then the combine weights as `epdraft.layers.routing.route` makes them; K is TOP_K
+    rounded up to a power of two (the width of the register vectors).
 
     SCORING: 0 softmax, 1 sigmoid, 2 sqrt(softplus), 3 softmax over the top-K logits.
     """
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < T
+    t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
-    e_ok = e < E
-    h = tl.arange(0, BLOCK_H)
-    logits = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        h_ok = (h0 + h) < H
-        x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_x + (h0 + h)[None, :],
-                    mask=t_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-        w = tl.load(w_ptr + e[:, None] * stride_w + (h0 + h)[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
-        logits = tl.dot(x, tl.trans(w), logits, input_precision="ieee")
-    if HAS_LOGIT_BIAS:
-        logits += tl.load(logit_bias_ptr + e, mask=e_ok, other=0.0)[None, :]
-    logits = tl.where(e_ok[None, :], logits, float("-inf"))
+    ok = e < E
+    logits = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf"))
     if SCORING == 0:
-        z = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-        scores = z / tl.sum(z, axis=1)[:, None]
+        z = tl.exp(logits - tl.max(logits, axis=0))
+        scores = z / tl.sum(z, axis=0)
     elif SCORING == 1:
         scores = 1.0 / (1.0 + tl.exp(-logits))
     elif SCORING == 2:
@@ -162,32 +149,28 @@ def router_topk_kernel(
     else:
         scores = logits
     selection = scores
-    if HAS_SEL_BIAS:
-        selection = scores + tl.load(sel_bias_ptr + e, mask=e_ok, other=0.0)[None, :]
-    selection = tl.where(e_ok[None, :], selection, float("-inf"))
+    if HAS_BIAS:
+        selection = scores + tl.load(bias_ptr + e, mask=ok, other=0.0)
+    selection = tl.where(ok, selection, float("-inf"))
     k = tl.arange(0, K)
-    top_ids = tl.zeros((BLOCK_T, K), tl.int64)
-    top_scores = tl.zeros((BLOCK_T, K), tl.float32)
+    top_ids = tl.zeros((K,), tl.int64)
+    top_scores = tl.zeros((K,), tl.float32)
     for i in tl.static_range(TOP_K):
-        best = tl.argmax(selection, axis=1, tie_break_left=True)
-        hit = e[None, :] == best[:, None]
-        top_ids = tl.where(k[None, :] == i, best[:, None].to(tl.int64), top_ids)
-        picked = tl.sum(tl.where(hit, scores, 0.0), axis=1)
-        top_scores = tl.where(k[None, :] == i, picked[:, None], top_scores)
-        selection = tl.where(hit, float("-inf"), selection)
+        best = tl.argmax(selection, axis=0, tie_break_left=True)
+        top_ids = tl.where(k == i, best, top_ids)
+        top_scores = tl.where(k == i, tl.sum(tl.where(e == best, scores, 0.0), axis=0), top_scores)
+        selection = tl.where(e == best, float("-inf"), selection)
     if SCORING == 3:
-        top_scores = tl.where(k[None, :] < TOP_K, top_scores, float("-inf"))
-        z = tl.exp(top_scores - tl.max(top_scores, axis=1)[:, None])
-        weights = z / tl.sum(z, axis=1)[:, None]
+        top_scores = tl.where(k < TOP_K, top_scores, float("-inf"))
+        z = tl.exp(top_scores - tl.max(top_scores, axis=0))
+        weights = z / tl.sum(z, axis=0)
     else:
-        weights = top_scores  # 0 past TOP_K: the sums below are the real K's
+        weights = top_scores  # 0 past TOP_K: the sum below is the real K's
         if NORM:
-            weights = weights / (tl.sum(weights, axis=1)[:, None] + renorm_eps)
+            weights = weights / (tl.sum(weights, axis=0) + renorm_eps)
         weights = weights * scale
-    out = t[:, None].to(tl.int64) * TOP_K + k[None, :]
-    ok = t_ok[:, None] & (k[None, :] < TOP_K)
-    tl.store(ids_ptr + out, top_ids, mask=ok)
-    tl.store(weights_ptr + out, weights, mask=ok)
+    tl.store(ids_ptr + t * TOP_K + k, top_ids, mask=k < TOP_K)
+    tl.store(weights_ptr + t * TOP_K + k, weights, mask=k < TOP_K)
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """The draft step's small ops as single Triton launches (CUDA): norms, q/k norm + rotary + KV-pool
-write, the attention split merge, the router (logits and top-k), the gated activation and the FFN's output + residual add.
+write, the attention split merge, top-k routing, the gated activation and the FFN's output + residual add.
 
 Why: inside a CUDA graph each kernel still costs a few microseconds, and the step's torch chains
 (fp32 casts, pow/mean/rsqrt, the rotary's slices and cats, softmax/top-k/gather) made ~630
@@ -17,7 +17,6 @@ from epdraft.kernels.align import next_pow2
 
 _MERGE_ROWS = 16  # rows per merge program: N * g programs alone leave most SMs idle at small N
 _FLAG_BLOCK = 4096
-_ROUTER_TOKENS = 16
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -119,37 +118,30 @@ def flag_nonfinite(x: torch.Tensor, flag: torch.Tensor) -> None:
 SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "softmax_topk": 3}
 
 
-def router_topk(
-    x_TH: torch.Tensor,
-    weight_EH: torch.Tensor,
-    logit_bias_E: torch.Tensor | None,
-    selection_bias_E: torch.Tensor | None,
+def topk_route(
+    logits_TE: torch.Tensor,
     top_k: int,
     scoring: str,
+    selection_bias_E: torch.Tensor | None,
     norm_topk_prob: bool,
     renorm_eps: float,
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [T, K] int64, weights [T, K] fp32) of tokens x [T, H] (any float dtype) under an fp32
-    router weight [E, H], in one launch: `Router.forward`'s fp32 logits (+ logit bias) and what
-    `epdraft.layers.routing.route` makes of them without group-limited selection (ties go to the
-    lower expert; E up to a few hundred: a program holds BLOCK_T tokens' E logits)."""
-    from epdraft.kernels._step_triton import router_topk_kernel
+    """(ids [T, K] int64, weights [T, K] fp32) from fp32 logits [T, E] in one launch: what
+    `epdraft.layers.routing.route` computes without group-limited selection (ties go to the lower
+    expert; E up to a few thousand: one program holds a token's E logits)."""
+    from epdraft.kernels._step_triton import topk_route_kernel
 
-    T, H = x_TH.shape
-    E = weight_EH.shape[0]
-    ids = torch.empty(T, top_k, dtype=torch.long, device=x_TH.device)
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=x_TH.device)
+    T, E = logits_TE.shape
+    ids = torch.empty(T, top_k, dtype=torch.long, device=logits_TE.device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits_TE.device)
     if T:
-        x = _rows(x_TH)
-        block_e = max(16, next_pow2(E))
-        router_topk_kernel[(-(-T // _ROUTER_TOKENS),)](
-            x, weight_EH, logit_bias_E if logit_bias_E is not None else weight_EH,
-            selection_bias_E if selection_bias_E is not None else weight_EH, ids, weights,
-            T, E, H, x.stride(0), weight_EH.stride(0), renorm_eps, routed_scaling_factor,
-            TOP_K=top_k, K=next_pow2(top_k), SCORING=SCORINGS[scoring], HAS_LOGIT_BIAS=logit_bias_E is not None,
-            HAS_SEL_BIAS=selection_bias_E is not None, NORM=norm_topk_prob,
-            BLOCK_T=_ROUTER_TOKENS, BLOCK_E=block_e, BLOCK_H=64 if block_e <= 64 else 32, num_warps=4,
+        logits = _rows(logits_TE)
+        bias = selection_bias_E if selection_bias_E is not None else logits
+        topk_route_kernel[(T,)](
+            logits, bias, ids, weights, E, logits.stride(0), renorm_eps, routed_scaling_factor,
+            TOP_K=top_k, K=next_pow2(top_k), SCORING=SCORINGS[scoring], HAS_BIAS=selection_bias_E is not None,
+            NORM=norm_topk_prob, BLOCK_E=max(16, next_pow2(E)), num_warps=1 if E <= 256 else 4,
         )  # fmt: skip
     return ids, weights
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from epdraft.config.ffn import RouterSpec
 from epdraft.errors import ConfigError
-from epdraft.kernels.step_ops import router_topk
+from epdraft.kernels.step_ops import topk_route
 from epdraft.layers.routing import hash_route, route
 
 
@@ -17,8 +17,8 @@ class Router(nn.Module):
 
     Parameters are fp32 whatever the model dtype (`weight [E, H]`, `bias [E]` when
     `spec.bias != "none"`): the logits are computed in fp32 so every rank and every
-    implementation picks the same experts on near-ties. On CUDA the logits, selection and weights are
-    one launch (`epdraft.kernels.step_ops.router_topk`; group-limited and hash routing keep the torch chain).
+    implementation picks the same experts on near-ties. On CUDA the selection and weights are one
+    launch (`epdraft.kernels.step_ops.topk_route`; group-limited routing keeps the torch chain).
     A hash-routed router also holds
     `tid2eid [vocab, K]` int64 (the experts of each token id; a parameter so the loader fills it).
     """
@@ -49,11 +49,6 @@ class Router(nn.Module):
         Raises:
             ConfigError: a hash-routed router called without the token ids.
         """
-        s = self.spec
-        if x_TH.is_cuda and not s.group_limited and self.tid2eid is None:
-            return router_topk(x_TH, self.weight, self.bias if s.bias == "logit" else None,
-                               self.bias if s.bias == "selection" else None, s.top_k, s.scoring, s.norm_topk_prob,
-                               s.renorm_eps, s.routed_scaling_factor)  # fmt: skip
         logits_TE = F.linear(x_TH.float(), self.weight.float())
         if self.spec.bias == "logit":
             logits_TE = logits_TE + self.bias
@@ -63,6 +58,10 @@ class Router(nn.Module):
                 raise ConfigError(f"hash-routed router: needs input_ids_T [{x_TH.shape[0]}], got {got}")
             return hash_route(logits_TE, self.tid2eid[input_ids_T.to(self.tid2eid.device)], self.spec)
         selection_bias = self.bias if self.spec.bias == "selection" else None
+        if logits_TE.is_cuda and not self.spec.group_limited:
+            s = self.spec
+            return topk_route(logits_TE, s.top_k, s.scoring, selection_bias, s.norm_topk_prob, s.renorm_eps,
+                              s.routed_scaling_factor)  # fmt: skip
         return route(logits_TE, self.spec, selection_bias)
 
     def extra_repr(self) -> str:
