@@ -14,9 +14,9 @@ of the eight bytes of two registers) as an eight-entry table lookup:
     HB |= prmt(w << 4, w, 0x5140) & 0x80808080   each nibble's sign (its bit 3) onto its byte's bit 7
     lo  = prmt(LB, HB, 0x6240), hi = prmt(LB, HB, 0x7351)   bytes paired into bf16x2 registers
 and the same for the upper two bytes (selectors s >> 16). That is 13 integer-ALU ops per eight
-weights (the shifts go to the multiply pipe as IMAD), against about 43 for Triton 3.6's
-`dot_scaled` upcast on sm_90 (tools/kernel_sass.py prints both per weight); the integer ALU runs
-at half the issue rate, and the upcast is what bounds these kernels at small T.
+weights (the shifts go to the multiply pipe as IMAD); with the rest of the main loop about 2.0 per
+weight, against 5.3 through Triton 3.6's `dot_scaled` on sm_90 (tools/kernel_sass.py prints both).
+The integer ALU runs at half the issue rate, and the upcast is what bounds these kernels at small T.
 
 Every table value is a normal bf16 (e2m1's 0.5 is 0x3F00, never a subnormal pattern), zero is
 0x0000 (0x8000 for code 8), and the only float op is the scale multiply (`mul.rn.bf16x2`, HMUL2):
