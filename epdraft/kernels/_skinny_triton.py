@@ -11,6 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from epdraft.kernels._step_triton import gated
+
 
 @triton.jit
 def _row_tiles(x_ptr, w_ptr, n0, M, N, K, stride_xm, stride_wn, acc,
@@ -83,13 +85,5 @@ def skinny_gate_up_kernel(
         x = tl.load(x_ptrs + k0, mask=(m < M)[:, None] & k_ok[None, :], other=0.0)
         g = tl.dot(x, tl.trans(tl.load(wg_ptrs + k0, mask=w_ok, other=0.0)), g)
         u = tl.dot(x, tl.trans(tl.load(wu_ptrs + k0, mask=w_ok, other=0.0)), u)
-    g = g.to(dtype).to(tl.float32)
-    u = u.to(dtype).to(tl.float32)
-    if HAS_LIMIT:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    if SWIGLU:
-        h = g / (1.0 + tl.exp(-g)) * u
-    else:
-        h = (u + 1.0) * (g / (1.0 + tl.exp(-g * alpha)))
+    h = gated(g.to(dtype).to(tl.float32), u.to(dtype).to(tl.float32), limit, alpha, SWIGLU, HAS_LIMIT)
     tl.store(out_ptr + m[:, None] * stride_om + n[None, :], h.to(dtype), mask=(m < M)[:, None] & (n < I)[None, :])

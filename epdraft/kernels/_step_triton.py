@@ -174,6 +174,17 @@ def topk_route_kernel(
 
 
 @triton.jit
+def gated(g, u, limit, alpha, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """act(gate, up) of fp32 tiles: swiglu, or swigluoai with alpha; HAS_LIMIT clamps first."""
+    if HAS_LIMIT:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    if SWIGLU:
+        return g / (1.0 + tl.exp(-g)) * u
+    return (u + 1.0) * (g / (1.0 + tl.exp(-g * alpha)))
+
+
+@triton.jit
 def gated_act_kernel(
     gate_ptr, up_ptr, out_ptr, I, stride_g, stride_u, stride_o, limit, alpha,
     SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr,
@@ -184,13 +195,7 @@ def gated_act_kernel(
     ok = offs < I
     g = tl.load(gate_ptr + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_u + offs, mask=ok, other=0.0).to(tl.float32)
-    if HAS_LIMIT:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    if SWIGLU:
-        h = g / (1.0 + tl.exp(-g)) * u
-    else:
-        h = (u + 1.0) * (g / (1.0 + tl.exp(-g * alpha)))
+    h = gated(g, u, limit, alpha, SWIGLU, HAS_LIMIT)
     tl.store(out_ptr + row * stride_o + offs, h.to(out_ptr.dtype.element_ty), mask=ok)
 
 
