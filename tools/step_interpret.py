@@ -1,0 +1,126 @@
+"""Run the draft step's Triton launches (`epdraft.kernels.step_ops`, `epdraft.kernels.skinny`, the
+block attention) on CPU under Triton's interpreter, against the torch code they replace.
+
+The arithmetic and addressing check for a machine without a GPU (fp32 only: the interpreter's
+bf16 tiles come out wrong, see tools/kernel_interpret.py); tests/gpu/test_step_ops.py is the
+check on the device, in bf16 and fp32. Needs Triton in a scratch dir:
+
+    TRITON_INTERPRET=1 PYTHONPATH=/tmp/tsite:. python tools/step_interpret.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+TOLERANCE = 1e-5  # fp32 throughout: only the order of the sums differs
+
+
+def _report(rows: list[tuple[str, float]]) -> None:
+    width = max(len(name) for name, _ in rows)
+    for name, err in rows:
+        print(f"{name:{width}s}  max |dy| / max(1, max |ref|) {err:.2e}")
+    worst = max(err for _, err in rows)
+    if worst > TOLERANCE:
+        raise SystemExit(f"mismatch: {worst:.3g} > {TOLERANCE}")
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("run with TRITON_INTERPRET=1 (see the module docstring)")
+    from kernel_interpret import _patch_interpreter
+
+    _patch_interpreter()
+    from epdraft.config.ffn import ActivationSpec, RouterSpec
+    from epdraft.kernels import skinny, step_ops
+    from epdraft.kernels.attention import _launch, block_attention_reference
+    from epdraft.layers.activations import gated_act
+    from epdraft.layers.routing import route
+    from epdraft.models.attention import DFlashAttention, RMSNorm, apply_rope, rope_cos_sin
+
+    torch.manual_seed(0)
+    rows: list[tuple[str, float]] = []
+
+    def diff(name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
+        """max |dy|, relative to max |ref| where that is above 1 (fp32 rounding scales with it)."""
+        scale = max(1.0, ref.abs().max().item())
+        rows.append((name, (got.float() - ref.float()).abs().max().item() / scale))
+
+    norm = RMSNorm(96, 1e-6)
+    torch.nn.init.normal_(norm.weight)
+    x, delta = torch.randn(5, 96), torch.randn(5, 96)
+    diff("rms_norm", step_ops.rms_norm(x, norm.weight, 1e-6)[0], norm.reference(x))
+    normed, summed = step_ops.rms_norm(x, norm.weight, 1e-6, residual=delta)
+    diff("rms_norm + residual", normed, norm.reference(x + delta))
+    diff("rms_norm's sum", summed, x + delta)
+
+    N, B, h, g, D, P, C = 3, 4, 4, 2, 16, 5, 40
+    attn = DFlashAttention(64, h, g, D, rms_norm_eps=1e-6, rope_theta=1e4)
+    torch.nn.init.normal_(attn.q_norm.weight)
+    torch.nn.init.normal_(attn.k_norm.weight)
+    pool_k, pool_v = torch.zeros(P, g, C, D), torch.zeros(P, g, C, D)
+    slots, positions = torch.tensor([3, 0, 4]), torch.tensor([[5], [0], [30]]) + torch.arange(B)
+    q, k, v = torch.randn(N * B, h * D), torch.randn(N * B, g * D), torch.randn(N * B, g * D)
+    cos, sin = attn.rope_table(C, torch.device("cpu"))
+    got_q = step_ops.qk_norm_rope_store(q, k, v, attn.q_norm.weight, attn.k_norm.weight, 1e-6, cos, sin, positions,
+                                        slots, pool_k, pool_v)  # fmt: skip
+    rc, rs = rope_cos_sin(positions, D, 1e4)
+    diff("q norm + rotary", got_q, apply_rope(attn.q_norm.reference(q.view(N, B, h, D)).transpose(1, 2), rc, rs).transpose(1, 2))
+    ref_k, ref_v = torch.zeros_like(pool_k), torch.zeros_like(pool_v)
+    index = (slots.unsqueeze(1), slice(None), positions)
+    ref_k[index] = apply_rope(attn.k_norm.reference(k.view(N, B, g, D)).transpose(1, 2), rc, rs).transpose(1, 2)
+    ref_v[index] = v.view(N, B, g, D)
+    diff("k norm + rotary -> pool", pool_k, ref_k)
+    diff("v -> pool", pool_v, ref_v)
+
+    for S, lens in ((150, [150, 37]), (700, [700, 337])):  # one key split, then three (and the merge)
+        kk, vv, qq = torch.randn(4, 2, S, 16), torch.randn(4, 2, S, 16), torch.randn(2, 4, 5, 16)
+        sl, ln = torch.tensor([2, 1]), torch.tensor(lens)
+        diff(f"block attention S={S}", _launch(qq, kk, vv, sl, ln), block_attention_reference(qq, kk, vv, sl, ln))
+
+    for scoring in ("softmax", "sigmoid", "sqrtsoftplus", "softmax_topk"):
+        for E, K in ((12, 1), (12, 3), (40, 4)):
+            spec = RouterSpec(num_experts=E, top_k=K, scoring=scoring, norm_topk_prob=scoring != "softmax",
+                              routed_scaling_factor=2.5)  # fmt: skip
+            logits = torch.randn(7, E) * 3
+            bias = torch.randn(E) if scoring == "sigmoid" else None
+            ref_ids, ref_w = route(logits, spec, bias)
+            ids, w = step_ops.topk_route(logits, K, scoring, bias, spec.norm_topk_prob, spec.renorm_eps,
+                                         spec.routed_scaling_factor)  # fmt: skip
+            if not torch.equal(ids, ref_ids):
+                raise SystemExit(f"topk_route {scoring} E={E} K={K}: other experts than route's")
+            diff(f"topk_route {scoring} E={E} K={K}", w, ref_w)
+
+    acts = (ActivationSpec(), ActivationSpec(kind="swigluoai", limit=7.0, alpha=1.702))
+    gate, up = torch.randn(6, 50) * 4, torch.randn(6, 50) * 4
+    for act in acts:
+        swiglu = act.kind == "swiglu"
+        diff(f"gated_act {act.kind}", step_ops.gated_act(gate, up, swiglu, act.limit, act.alpha), gated_act(gate, up, act))
+
+    r, y, s, gt = torch.randn(6, 40), torch.randn(6, 40), torch.randn(6, 40), torch.randn(6, 1)
+    diff("ffn_residual r + y + gated s", step_ops.ffn_residual(r, y, s, gt), r + (y + torch.sigmoid(gt) * s))
+    diff("ffn_residual r + gated s", step_ops.ffn_residual(r, None, s, gt), r + torch.sigmoid(gt) * s)
+    diff("ffn_residual r + y", step_ops.ffn_residual(r, y), r + y)
+    flags = torch.zeros(2, dtype=torch.int32)
+    bad = torch.randn(5000)
+    step_ops.flag_nonfinite(bad, flags[0:1])
+    bad[4500] = float("nan")
+    step_ops.flag_nonfinite(bad, flags[1:2])
+    if flags.tolist() != [0, 1]:
+        raise SystemExit(f"flag_nonfinite: flags {flags.tolist()}, expected [0, 1]")
+
+    x = torch.randn(5, 300)
+    ws = [torch.randn(40, 300), torch.randn(16, 300), torch.randn(7, 300)]
+    cfg = (16, 64, 4, 1)
+    for n in (1, 2, 3):
+        diff(f"skinny linear x {n} weights", skinny.linear(x, ws[:n], config=cfg), torch.cat([F.linear(x, w) for w in ws[:n]], 1))
+    for act in acts:
+        got = skinny.gate_up_act(x, ws[0], ws[0] * 0.5, act.kind == "swiglu", act.limit, act.alpha, config=cfg)
+        diff(f"skinny gate_up {act.kind}", got, gated_act(F.linear(x, ws[0]), F.linear(x, ws[0] * 0.5), act))
+    _report(rows)
+
+
+if __name__ == "__main__":
+    main()
