@@ -107,10 +107,10 @@ def merge_attention_splits(acc: torch.Tensor, stat: torch.Tensor, out_NBhD: torc
 
 def flag_nonfinite(x: torch.Tensor, flag: torch.Tensor) -> None:
     """Set flag ([1] int32, zeroed by the caller) to 1 when x holds a NaN or inf: the
-    `torch.isfinite(x).all()` of a layer's output in one launch (x contiguous)."""
+    `torch.isfinite(x).all()` of a layer's output in one launch."""
     from epdraft.kernels._step_triton import nonfinite_flag_kernel
 
-    n = x.numel()
+    x, n = x.contiguous(), x.numel()
     if n:
         nonfinite_flag_kernel[(-(-n // _FLAG_BLOCK),)](x, flag, n, BLOCK=_FLAG_BLOCK, num_warps=4)
 
