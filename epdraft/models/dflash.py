@@ -20,9 +20,9 @@ from torch import nn
 
 from epdraft.dispatch import Dispatcher, StepPlan
 from epdraft.errors import ConfigError, NonFiniteError
+from epdraft.kernels.step_ops import flag_nonfinite
 from epdraft.layers.build import build_ffn
 from epdraft.layers.mlp import DraftMLP
-from epdraft.kernels.step_ops import flag_nonfinite
 from epdraft.layers.moe import DraftMoE
 from epdraft.models.attention import DFlashAttention, RMSNorm
 from epdraft.models.cache import ContextScratch, DraftCache, context_mask, padded_context
