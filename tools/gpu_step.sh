@@ -19,7 +19,7 @@ for part in ${@:-tests bench run}; do
   case $part in
     tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfs ${TESTS:-tests/gpu} 2>&1 | tail -25 | tee -a "$LOG" ;;
     bench) timeout 300 python3 -m epdraft.cli bench step --requests ${REQUESTS:-1,8,32,64} --context ${CONTEXT:-1024,8192} \
-             --steps 10 --warmup 3 --json "$OUT/bench-step.jsonl" 2>&1 | grep -v '^{' | tee -a "$LOG" ;;
+             --steps 10 --warmup 3 ${PROFILE:+--profile $PROFILE} --json "$OUT/bench-step.jsonl" 2>&1 | grep -v '^{' | tee -a "$LOG" ;;
     run)
       for graphs in false true; do
         # shellcheck disable=SC2086

@@ -7,7 +7,8 @@ eager step (what `DraftRuntime` ran before the KV pool); `eager`, the pooled ste
 pooled step replayed from a CUDA graph. The floor is max(bytes / 4.3 TB/s, FLOPs / 700 TFLOP/s)
 counted from the shapes: the draft's non-expert weights, the experts the step's pairs touch
 (expected count), the lm_head, and the context K/V read. `kernels` is the eager pooled step's
-CUDA kernel count (torch profiler). Prints a table and one JSON line per point (`--json FILE`
+CUDA kernel count and `busy ms` their summed device time (torch profiler): a graph step longer
+than `busy` spends the difference between launches; `--profile K` prints its K costliest kernels. Prints a table and one JSON line per point (`--json FILE`
 appends them); `--plot FILE.png` draws graph step time and floor against N (needs matplotlib:
 `pip install 'epdraft[plot]'`), and `--from-json FILE --plot OUT.png` draws it from a saved
 `--json` file without running anything (no GPU needed: plot on a machine that has matplotlib).
@@ -55,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", action="store_true",
                         help="also time one layer's block attention alone: the Triton kernel against SDPA and "
                              "flex_attention (compiled per shape)")
+    parser.add_argument("--profile", type=int, default=0, metavar="K",
+                        help="after the table, the K kernels that take the most time in one eager step, per point")
     parser.add_argument("--json", type=Path, help="append the JSON lines to this file")
     parser.add_argument("--plot", type=Path, help="write step time vs N against the floor to this PNG")
     parser.add_argument("--from-json", type=Path, metavar="FILE",
@@ -145,13 +148,26 @@ def _time_ms(fn, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def _kernels(fn) -> int:
+def kernel_breakdown(kernels: list[tuple[str, float]], top: int) -> tuple[int, float, list[tuple[str, int, float]]]:
+    """(kernel count, their summed device µs, the `top` names by time as (name, calls, µs)) of one
+    step's kernels [(name, device µs)]: where the GPU's time goes, and, against the graph's
+    wall time, how much of a step is gaps between launches."""
+    by_name: dict[str, list] = {}
+    for name, us in kernels:
+        entry = by_name.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += us
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return len(kernels), sum(us for _, us in kernels), [(name, calls, us) for name, (calls, us) in ranked]
+
+
+def _profile(fn, top: int) -> tuple[int, float, list[tuple[str, int, float]]]:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    return kernel_breakdown([(e.name, e.device_time) for e in prof.events() if e.device_type.name == "CUDA"], top)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -183,7 +199,8 @@ def main(args: argparse.Namespace) -> int:
     label = str(args.draft) if args.draft else args.preset
     print(f"draft {label}: H {spec.hidden_size}, {spec.num_layers} layers, block {B}, bf16, {torch.cuda.get_device_name()}")
     print(f"{'N':>5}{'context':>9}{'cache ms':>10}{'eager ms':>10}{'graph ms':>10}{'floor ms':>10}"
-          f"{'graph/floor':>12}{'cache/graph':>12}{'kernels':>9}")  # fmt: skip
+          f"{'graph/floor':>12}{'cache/graph':>12}{'kernels':>9}{'busy ms':>9}")  # fmt: skip
+    profiles = []
     for context in contexts:
         pool = draft.new_pool(max_requests=max(requests), max_context=context)
         for layer in range(spec.num_layers):  # a random context in every slot, as if extended
@@ -200,7 +217,8 @@ def main(args: argparse.Namespace) -> int:
             plan = StepPlan(step=0, ranks=(0,), counts=(n * B,))
             with torch.no_grad():
                 eager = _time_ms(lambda: draft.propose_pooled(pool, slots, anchors, heads, plan), args.steps, args.warmup)
-                kernels = _kernels(lambda: draft.propose_pooled(pool, slots, anchors, heads, plan))
+                kernels, busy_us, top = _profile(lambda: draft.propose_pooled(pool, slots, anchors, heads, plan),
+                                                 args.profile)  # fmt: skip
                 slot_list, anchor_list = slots.tolist(), anchors.tolist()
                 graph = _time_ms(lambda: graphs.run(slot_list, anchor_list, plan), args.steps, args.warmup)
                 same = torch.equal(
@@ -215,14 +233,20 @@ def main(args: argparse.Namespace) -> int:
             floor = floor_s * 1e3
             row = dict(kind="step", preset=label, requests=n, context=context, cache_ms=cache, eager_ms=eager,
                        graph_ms=graph, floor_ms=floor, bytes=nbytes, flops=flops, kernels=kernels,
-                       graph_equals_eager=same, device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
+                       busy_ms=busy_us / 1e3, graph_equals_eager=same, device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
             results.append(row)
             cache_text = f"{cache:>10.3f}" if cache is not None else f"{'-':>10}"
             ratio = f"{cache / graph:>12.1f}" if cache is not None else f"{'-':>12}"
             print(f"{n:>5}{context:>9}{cache_text}{eager:>10.3f}{graph:>10.3f}{floor:>10.3f}{graph / floor:>12.2f}"
-                  f"{ratio}{kernels:>9}{'' if same else '  graph != eager'}")  # fmt: skip
+                  f"{ratio}{kernels:>9}{busy_us / 1e3:>9.3f}{'' if same else '  graph != eager'}")  # fmt: skip
+            if args.profile:
+                profiles.append((n, context, busy_us, top))
         del graphs, pool
         torch.cuda.empty_cache()
+    for n, context, busy_us, top in profiles:
+        print(f"top kernels of one eager step, N {n}, context {context} ({busy_us:.0f} µs of kernels):")
+        for name, calls, us in top:
+            print(f"{calls:>6} x {us / calls:>7.1f} µs = {us:>8.1f} µs  {name[:100]}")
     if args.attention:
         results += _attention_table(spec, requests, contexts, args, device)
     for row in results:

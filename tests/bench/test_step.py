@@ -84,3 +84,12 @@ def test_plot_into_a_missing_directory_is_refused(tmp_path, capsys):
     out = tmp_path / "no-such-dir" / "step.png"
     assert _bench("--plot", str(out)) == 2
     assert f"--plot {out}: directory {out.parent} does not exist" in capsys.readouterr().err
+
+
+def test_kernel_breakdown_counts_sums_and_ranks_by_time():
+    from epdraft.bench.step import kernel_breakdown
+
+    kernels = [("gemm", 10.0), ("norm", 1.0), ("gemm", 12.0), ("rope", 3.0), ("norm", 1.5)]
+    count, busy, top = kernel_breakdown(kernels, top=2)
+    assert (count, busy) == (5, 27.5)
+    assert top == [("gemm", 2, 22.0), ("rope", 1, 3.0)]
