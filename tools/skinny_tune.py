@@ -73,7 +73,7 @@ def main() -> None:
         else:
             ref = torch.cat([F.linear(x, w) for w in ws[0]], 1)
             got = skinny.linear(x, ws[0])
-        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=5e-2)  # a bf16 rounding of |h| ~ 4
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=5e-2)  # one bf16 rounding of the products
 
         def run(cfg):
             if gate_up:
@@ -83,7 +83,9 @@ def main() -> None:
         cublas = _graph_us(lambda i: [F.linear(x, w) for w in ws[i]])
         default = _graph_us(run(skinny.DEFAULT_CONFIG))
         best = min((_graph_us(run(c)), c) for c in configs)
-        print(f"{name:>20}{T:>5}{floor:>10.1f}{cublas:>9.1f}{default:>9.1f}{best[0]:>9.1f}  {best[1]}", flush=True)
+        ran = skinny._launch_config(best[1], max(16, 1 << (T - 1).bit_length()), 2 if gate_up else 1)
+        note = "" if ran == best[1] else f" (ran as {ran}: shared memory)"
+        print(f"{name:>20}{T:>5}{floor:>10.1f}{cublas:>9.1f}{default:>9.1f}{best[0]:>9.1f}  {best[1]}{note}", flush=True)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,15 @@ def main() -> None:
                 raise SystemExit(f"topk_route {scoring} E={E} K={K}: other experts than route's")
             diff(f"topk_route {scoring} E={E} K={K}", w, ref_w)
 
+    for scoring in ("sqrtsoftplus", "softmax_topk"):  # a bias picking low logits (softplus's small-z end)
+        spec = RouterSpec(num_experts=64, top_k=4, scoring=scoring, routed_scaling_factor=1.5)
+        logits, bias = torch.randn(33, 64) * 3 - 9, torch.randn(64) * 0.5
+        ref_ids, ref_w = route(logits, spec, bias)
+        ids, w = step_ops.topk_route(logits, 4, scoring, bias, spec.norm_topk_prob, spec.renorm_eps, 1.5)
+        if not torch.equal(ids, ref_ids):
+            raise SystemExit(f"topk_route {scoring} with a selection bias: other experts than route's")
+        diff(f"topk_route {scoring} + selection bias, low logits", w, ref_w)
+
     acts = (ActivationSpec(), ActivationSpec(kind="swigluoai", limit=7.0, alpha=1.702))
     gate, up = torch.randn(6, 50) * 4, torch.randn(6, 50) * 4
     for act in acts:

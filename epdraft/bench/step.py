@@ -184,6 +184,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     plt = _pyplot(args.plot) if args.plot else None  # before any timing: a bad --plot fails now, not after the run
     requests, contexts = _ints(args.requests, "--requests"), _ints(args.context, "--context")
+    if args.profile < 0:
+        raise ConfigError(f"--profile {args.profile}: the number of kernels to list must be >= 0")
     if not torch.cuda.is_available():
         raise ConfigError("epdraft bench step times the GPU step: it needs CUDA")
     config = read_config_json(args.draft) if args.draft else preset_config(PRESETS[args.preset])

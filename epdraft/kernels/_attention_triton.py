@@ -28,7 +28,7 @@ def block_attention_split_kernel(
     ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0)
-    j = tl.program_id(1)
+    j = tl.program_id(1).to(tl.int64)  # j x (S x D) passes 2^31 in a long-context pool slot
     split = tl.program_id(2)
     slot = tl.load(slots_ptr + n).to(tl.int64)
     length = tl.load(lens_ptr + n)

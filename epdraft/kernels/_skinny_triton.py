@@ -1,7 +1,7 @@
 """The Triton programs of `epdraft.kernels.skinny` (imported on first launch, never at package import).
 
-A draft step's dense projections multiply few rows (N requests x B block rows, 16-128) by large
-weights: memory-bound on the weight bytes. One program owns BLOCK_N weight rows (output columns)
+A draft step's dense projections multiply few rows (N requests x B block rows, at most
+`skinny.MAX_ROWS`) by large weights: memory-bound on the weight bytes. One program owns BLOCK_N weight rows (output columns)
 over all of K and all of the step's rows, so the weight is read once, in full tiles, with no split-K
 partials to reduce, and several weights (q, k, v) or a gate/up pair run in one launch.
 """

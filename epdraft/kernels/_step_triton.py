@@ -1,8 +1,9 @@
 """The Triton programs of `epdraft.kernels.step_ops` (imported on first launch, never at package import).
 
 Each program replaces a chain of small torch ops of the draft step with one launch and rounds
-where the torch chain rounds (to the tensors' dtype after the same steps), so the two agree to
-fp32 rounding order, not just to the bf16 drift bound.
+where the torch chain rounds (to the tensors' dtype after the same steps), so the two differ only
+by fp32 rounding inside a step (summation order, fused multiply-adds, the GPU's exp and log), not
+by where bf16 rounding happens.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _norm_rotate_store(src, w_ptr, cos, sin, dst, stride_dst, heads, D, eps, HEA
     """Heads [0, heads) of one row at src (head-major, D each): RMSNorm over each head (rounded to
     dst's dtype, times the weight, rounded), then the half-split rotary; head i goes to dst + i * stride_dst."""
     half = D // 2
-    hd = tl.arange(0, HEADS_P)
+    hd = tl.arange(0, HEADS_P).to(tl.int64)  # head x (C x D) passes 2^31 in a long-context pool slot
     i = tl.arange(0, HALF_P)
     ok = (hd < heads)[:, None] & (i < half)[None, :]
     offs = hd[:, None] * D + i[None, :]
@@ -77,7 +78,7 @@ def qk_rope_store_kernel(
     slot = tl.load(slots_ptr + row // B).to(tl.int64)
     _norm_rotate_store(k_ptr + row * stride_k, kw_ptr, cos, sin, pool_k_ptr + slot * stride_pp + pos * stride_pc,
                        stride_pg, NUM_KV, D, eps, KV_P, HALF_P)  # fmt: skip
-    j = tl.arange(0, KV_P)
+    j = tl.arange(0, KV_P).to(tl.int64)
     d = tl.arange(0, D_P)
     ok = (j < NUM_KV)[:, None] & (d < D)[None, :]
     v = tl.load(v_ptr + row * stride_v + j[:, None] * D + d[None, :], mask=ok)
@@ -144,7 +145,8 @@ def topk_route_kernel(
         scores = 1.0 / (1.0 + tl.exp(-logits))
     elif SCORING == 2:
         z = tl.exp(tl.minimum(logits, 20.0))
-        softplus = tl.where(z < 1e-4, z * (1.0 - 0.5 * z), tl.log(1.0 + z))  # log1p without cancellation
+        u = 1.0 + z
+        softplus = tl.where(u == 1.0, z, tl.log(u) * (z / (u - 1.0)))  # log1p(z): the rounding of 1 + z cancels
         scores = tl.sqrt(tl.where(logits > 20.0, logits, softplus))
     else:
         scores = logits
@@ -176,9 +178,10 @@ def topk_route_kernel(
 @triton.jit
 def gated(g, u, limit, alpha, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr):
     """act(gate, up) of fp32 tiles: swiglu, or swigluoai with alpha; HAS_LIMIT clamps first."""
-    if HAS_LIMIT:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
+    if HAS_LIMIT:  # a NaN stays NaN, as torch.clamp keeps it (the layer's NaN flag must see it)
+        g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+        u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                       propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
     if SWIGLU:
         return g / (1.0 + tl.exp(-g)) * u
     return (u + 1.0) * (g / (1.0 + tl.exp(-g * alpha)))

@@ -116,6 +116,7 @@ def _launch(q_NhBD, k_NgSD, v_NgSD, slots_N, kv_lens_N) -> torch.Tensor:
     N, h, B, D = q_NhBD.shape
     g, S = k_NgSD.shape[1], k_NgSD.shape[2]
     G = h // g
+    slots_N, kv_lens_N = slots_N.contiguous(), kv_lens_N.contiguous()  # the kernel reads them as flat arrays
     rows = max(16, next_pow2(G * B))
     splits = num_splits_for(N, g, S)
     chunk = math.ceil(math.ceil(S / splits) / _BLOCK_S) * _BLOCK_S

@@ -33,10 +33,11 @@ def _launch_config(config: tuple, block_m: int, weight_tiles: int) -> tuple[int,
 
 
 def fits(x_TK: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
-    """Whether `linear` / `gate_up_act` take these: CUDA, bf16/fp16, at most MAX_ROWS rows, weights
-    of x's dtype with unit-stride rows."""
+    """Whether `linear` / `gate_up_act` take these: CUDA outside autograd (no backward), bf16/fp16,
+    at most MAX_ROWS rows, weights of x's dtype with unit-stride rows."""
     return (
         x_TK.is_cuda
+        and not torch.is_grad_enabled()
         and x_TK.dtype in _DTYPES
         and x_TK.dim() == 2
         and 0 < x_TK.shape[0] <= MAX_ROWS

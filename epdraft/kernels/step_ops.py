@@ -13,10 +13,17 @@ from __future__ import annotations
 
 import torch
 
+from epdraft.errors import ConfigError
 from epdraft.kernels.align import next_pow2
 
 _MERGE_ROWS = 16  # rows per merge program: N * g programs alone leave most SMs idle at small N
 _FLAG_BLOCK = 4096
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether ops on x take these launches: on CUDA and outside autograd (they have no backward;
+    the draft's inference paths run under torch.no_grad, training keeps the torch chains)."""
+    return x.is_cuda and not torch.is_grad_enabled()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -76,6 +83,21 @@ def qk_norm_rope_store(
     N, B = positions_NB.shape
     D = q_norm_weight.shape[0]
     h, g = q_TX.shape[1] // D, k_TX.shape[1] // D
+    if (q_TX.shape[1], k_TX.shape[1], v_TX.shape[1]) != (h * D, g * D, g * D) or pool_k_PgCD.shape[1:] != (
+        g, pool_k_PgCD.shape[2], D
+    ):
+        raise ConfigError(
+            f"qk_norm_rope_store: q {tuple(q_TX.shape)}, k {tuple(k_TX.shape)}, v {tuple(v_TX.shape)}, pool "
+            f"{tuple(pool_k_PgCD.shape)}: expected widths h*D, g*D, g*D and a pool [P, g, C, D] for D = {D}"
+        )
+    if pool_k_PgCD.dtype != q_TX.dtype or cos_CR.dtype != torch.float32:
+        raise ConfigError(
+            f"qk_norm_rope_store: q is {q_TX.dtype}, the pool {pool_k_PgCD.dtype}, the rotary table {cos_CR.dtype}: "
+            "the kernel rounds where the torch chain does only for a pool in the model's dtype and an fp32 table"
+        )
+    if any(t.stride(-1) != 1 for t in (q_TX, k_TX, v_TX, pool_k_PgCD, pool_v_PgCD, cos_CR, sin_CR)):
+        raise ConfigError("qk_norm_rope_store: every tensor's last dim must be contiguous")
+    positions_NB, slots_N = positions_NB.contiguous(), slots_N.contiguous()  # read as flat arrays
     q_out = torch.empty(N, B, h, D, dtype=pool_k_PgCD.dtype, device=q_TX.device)
     if N:
         qk_rope_store_kernel[(N * B,)](
@@ -92,7 +114,8 @@ def qk_norm_rope_store(
 
 def merge_attention_splits(acc: torch.Tensor, stat: torch.Tensor, out_NBhD: torch.Tensor, G: int, B: int) -> None:
     """Write the block attention's output [N, B, h, D] from its key splits (acc [N, g, splits,
-    rows, D], stat [..., rows, 2] = row max, row sum): the merge `block_attention` did in torch."""
+    rows, D] unnormalized sums, stat [..., rows, 2] = each split's row max m_s and row sum l_s):
+    out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s (exp2 domain)."""
     from epdraft.kernels._step_triton import attention_merge_kernel
 
     N, g, splits, rows, D = acc.shape
@@ -137,10 +160,12 @@ def topk_route(
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits_TE.device)
     if T:
         logits = _rows(logits_TE)
-        bias = selection_bias_E if selection_bias_E is not None else logits
+        # `route` picks softmax_topk's experts by the logits alone: a selection bias does not apply
+        has_bias = selection_bias_E is not None and scoring != "softmax_topk"
+        bias = selection_bias_E if has_bias else logits
         topk_route_kernel[(T,)](
             logits, bias, ids, weights, E, logits.stride(0), renorm_eps, routed_scaling_factor,
-            TOP_K=top_k, K=next_pow2(top_k), SCORING=SCORINGS[scoring], HAS_BIAS=selection_bias_E is not None,
+            TOP_K=top_k, K=next_pow2(top_k), SCORING=SCORINGS[scoring], HAS_BIAS=has_bias,
             NORM=norm_topk_prob, BLOCK_E=max(16, next_pow2(E)), num_warps=1 if E <= 256 else 4,
         )  # fmt: skip
     return ids, weights
@@ -171,8 +196,9 @@ def ffn_residual(
 ) -> torch.Tensor:
     """[residual +] ([y +] shared [* sigmoid(gate)]) in one launch, rounded to the tensors' dtype
     after the gate and after each add, as `DraftMLP.forward`, `DraftMoE.forward` and the layer's
-    residual add round: the FFN output and the residual stream in one pass. At least two of
-    residual, y, shared are given; all [T, H] (gate_T1 [T, 1], the output gate's logits)."""
+    residual add round: the FFN output and the residual stream in one pass. y or shared is given
+    (a gated shared alone is DraftMLP's own output gate); all [T, H], gate_T1 [T, 1] the output
+    gate's logits."""
     from epdraft.kernels._step_triton import ffn_residual_kernel
 
     given = [t for t in (residual_TH, y_TH, shared_TH) if t is not None]

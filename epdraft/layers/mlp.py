@@ -9,7 +9,7 @@ from torch import nn
 
 from epdraft.dispatch.plan import StepPlan
 from epdraft.config.ffn import ActivationSpec
-from epdraft.kernels.step_ops import ffn_residual
+from epdraft.kernels.step_ops import ffn_residual, use_kernels
 from epdraft.layers.projection import gate_up, project
 from epdraft.loading import TensorSource, check_ffn_loaded, load_into
 
@@ -61,7 +61,7 @@ class DraftMLP(nn.Module):
         add, fused on CUDA); T may be 0. `plan` is unused (a dense FFN never communicates); it is
         taken so every FFN of a draft layer is called alike."""
         y_TH, gate_T1 = self.ungated(x_TH)
-        if x_TH.is_cuda and (residual_TH is not None or gate_T1 is not None):
+        if use_kernels(x_TH) and (residual_TH is not None or gate_T1 is not None):
             return ffn_residual(residual_TH, None, y_TH, gate_T1)
         y_TH = gate_output(y_TH, gate_T1)
         return y_TH if residual_TH is None else residual_TH + y_TH

@@ -9,7 +9,7 @@ from torch import nn
 
 from epdraft.config.ffn import DraftMoeFFNSpec
 from epdraft.dispatch import Dispatcher, MoeLayout, ReplicatedDispatcher, StepPlan
-from epdraft.kernels.step_ops import ffn_residual
+from epdraft.kernels.step_ops import ffn_residual, use_kernels
 from epdraft.layers.mlp import DraftMLP, gate_output
 from epdraft.layers.routed_experts import RoutedExperts, experts_storage
 from epdraft.layers.router import Router
@@ -102,7 +102,7 @@ class DraftMoE(nn.Module):
         handle = dispatcher.dispatch(x_TH, ids_TK, weights_TK, plan)
         y_TH = dispatcher.combine(self.experts(handle.rows_RH, handle.ids_RK, handle.weights_RK), handle)
         shared_TH, gate_T1 = self.shared.ungated(x_TH) if self.shared is not None else (None, None)
-        if x_TH.is_cuda and (shared_TH is not None or residual_TH is not None):
+        if use_kernels(x_TH) and (shared_TH is not None or residual_TH is not None):
             return ffn_residual(residual_TH, y_TH, shared_TH, gate_T1)
         if shared_TH is not None:
             y_TH = y_TH + gate_output(shared_TH, gate_T1)

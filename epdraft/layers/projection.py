@@ -12,9 +12,10 @@ from epdraft.layers.activations import gated_act
 
 def project(x_TK: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:
     """[linear(x) for linear in linears]: one skinny launch for all of them (outputs are column
-    views of one buffer) when they have no bias and `skinny.fits`, else one nn.Linear call each."""
+    views of one buffer) when there are at most 3, with no bias, and `skinny.fits`, else one
+    nn.Linear call each."""
     weights = [lin.weight for lin in linears]
-    if all(lin.bias is None for lin in linears) and skinny.fits(x_TK, weights):
+    if len(linears) <= 3 and all(lin.bias is None for lin in linears) and skinny.fits(x_TK, weights):
         out = skinny.linear(x_TK, weights)
         return list(out.split([w.shape[0] for w in weights], dim=1))
     return [lin(x_TK) for lin in linears]
@@ -26,6 +27,6 @@ def gate_up(x_TK: torch.Tensor, gate: nn.Linear, up: nn.Linear, act: ActivationS
     swiglu = act.kind == "swiglu"
     if gate.bias is None and up.bias is None and skinny.fits(x_TK, [gate.weight, up.weight]):
         return skinny.gate_up_act(x_TK, gate.weight, up.weight, swiglu, act.limit, act.alpha)
-    if x_TK.is_cuda:
+    if step_ops.use_kernels(x_TK):
         return step_ops.gated_act(gate(x_TK), up(x_TK), swiglu, act.limit, act.alpha)
     return gated_act(gate(x_TK), up(x_TK), act).to(x_TK.dtype)

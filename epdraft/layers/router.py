@@ -8,7 +8,7 @@ from torch import nn
 
 from epdraft.config.ffn import RouterSpec
 from epdraft.errors import ConfigError
-from epdraft.kernels.step_ops import topk_route
+from epdraft.kernels.step_ops import topk_route, use_kernels
 from epdraft.layers.routing import hash_route, route
 
 
@@ -58,7 +58,7 @@ class Router(nn.Module):
                 raise ConfigError(f"hash-routed router: needs input_ids_T [{x_TH.shape[0]}], got {got}")
             return hash_route(logits_TE, self.tid2eid[input_ids_T.to(self.tid2eid.device)], self.spec)
         selection_bias = self.bias if self.spec.bias == "selection" else None
-        if logits_TE.is_cuda and not self.spec.group_limited:
+        if use_kernels(logits_TE) and not self.spec.group_limited:
             s = self.spec
             return topk_route(logits_TE, s.top_k, s.scoring, selection_bias, s.norm_topk_prob, s.renorm_eps,
                               s.routed_scaling_factor)  # fmt: skip

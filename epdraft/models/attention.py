@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epdraft.kernels.attention import block_attention, block_attention_reference, sliding_block_attention
-from epdraft.kernels.step_ops import qk_norm_rope_store, rms_norm
+from epdraft.kernels.step_ops import qk_norm_rope_store, rms_norm, use_kernels
 from epdraft.layers.projection import project
 
 
@@ -24,13 +24,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        if use_kernels(x):
             return rms_norm(x, self.weight, self.eps)[0]
         return self.reference(x)
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + delta), x + delta): the residual add and the next norm, one launch on CUDA."""
-        if x.is_cuda:
+        if use_kernels(x):
             return rms_norm(x, self.weight, self.eps, residual=delta)
         s = x + delta
         return self.reference(s), s
@@ -48,6 +48,19 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     freqs = positions.float().unsqueeze(-1) * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
+
+
+_ROPE_TABLES: dict[tuple[int, int, float, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rope_table(positions: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first halves of `rope_cos_sin(arange(positions))`, made once per (size, head_dim, theta,
+    device) and shared by every layer and draft that asks (a pool's capacity: a few MB)."""
+    key = (positions, head_dim, theta, torch.device(device))
+    if key not in _ROPE_TABLES:
+        cos, sin = rope_cos_sin(torch.arange(positions, device=device), head_dim, theta)
+        _ROPE_TABLES[key] = (cos[:, : head_dim // 2].contiguous(), sin[:, : head_dim // 2].contiguous())
+    return _ROPE_TABLES[key]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -89,7 +102,6 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False, **kw)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps, **kw)
         self.k_norm = RMSNorm(head_dim, rms_norm_eps, **kw)
-        self._rope_tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _kv(
         self, x_NTH: torch.Tensor, positions_NT: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -110,14 +122,8 @@ class DFlashAttention(nn.Module):
 
     def rope_table(self, positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [positions, D/2] fp32 of positions 0.. (`rope_cos_sin`'s values: the halves are
-        equal), made once per size and device: the fused q/k kernel reads them instead of
-        recomputing the table every step."""
-        key = (positions, device)
-        if key not in self._rope_tables:
-            cos, sin = rope_cos_sin(torch.arange(positions, device=device), self.head_dim, self.rope_theta)
-            half = self.head_dim // 2
-            self._rope_tables[key] = (cos[:, :half].contiguous(), sin[:, :half].contiguous())
-        return self._rope_tables[key]
+        equal), which the fused q/k kernel reads instead of recomputing the table every step."""
+        return rope_table(positions, self.head_dim, self.rope_theta, device)
 
     def context_kv(self, target_hidden_NLH: torch.Tensor, positions_NL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [N, g, L, D] of the fused target hidden [N, L, H] at positions [N, L] (k: normed + RoPE)."""
@@ -163,7 +169,7 @@ class DFlashAttention(nn.Module):
         int64 on x's device. No host sync on CUDA.
         """
         N, Q, _ = x_NQH.shape
-        if x_NQH.is_cuda:
+        if use_kernels(x_NQH):
             cos, sin = self.rope_table(pool_k_PgCD.shape[2], x_NQH.device)
             q_TX, k_TX, v_TX = project(x_NQH.reshape(N * Q, -1), self.q_proj, self.k_proj, self.v_proj)
             q = qk_norm_rope_store(
