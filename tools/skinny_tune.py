@@ -53,6 +53,7 @@ def _graph_us(fn) -> float:
     return statistics.median(times)
 
 
+@torch.no_grad()
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", default="16,32,128")

@@ -124,9 +124,9 @@ def main() -> None:
     ws = [torch.randn(40, 300), torch.randn(16, 300), torch.randn(7, 300)]
     cfg = (16, 64, 4, 1)
     for n in (1, 2, 3):
-        diff(f"skinny linear x {n} weights", skinny.linear(x, ws[:n], config=cfg), torch.cat([F.linear(x, w) for w in ws[:n]], 1))
+        diff(f"skinny linear x {n} weights", skinny._linear(x, ws[:n], cfg), torch.cat([F.linear(x, w) for w in ws[:n]], 1))
     for act in acts:
-        got = skinny.gate_up_act(x, ws[0], ws[0] * 0.5, act.kind == "swiglu", act.limit, act.alpha, config=cfg)
+        got = skinny._gate_up_act(x, ws[0], ws[0] * 0.5, act.kind == "swiglu", act.limit, act.alpha, cfg)
         diff(f"skinny gate_up {act.kind}", got, gated_act(F.linear(x, ws[0]), F.linear(x, ws[0] * 0.5), act))
     _report(rows)
 

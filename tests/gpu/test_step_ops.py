@@ -132,6 +132,7 @@ def test_flag_nonfinite_sets_only_its_flag():
     assert flags.tolist() == [0, 1, 1]
 
 
+@torch.no_grad()
 @pytest.mark.parametrize("T", [1, 16, 32])
 @pytest.mark.parametrize("K,widths", [(4096, (4096, 1024, 1024)), (1536, (4096,)), (320, (40, 17))])
 def test_skinny_linear_equals_cublas(T, K, widths):
@@ -141,6 +142,7 @@ def test_skinny_linear_equals_cublas(T, K, widths):
     _close(skinny.linear(x, ws), torch.cat([F.linear(x, w) for w in ws], 1), torch.bfloat16)
 
 
+@torch.no_grad()
 @pytest.mark.parametrize("act", [ActivationSpec(), ActivationSpec(kind="swigluoai", limit=7.0, alpha=1.702)])
 @pytest.mark.parametrize("T", [16, 32])
 def test_skinny_gate_up_equals_linear_then_activation(act, T):
