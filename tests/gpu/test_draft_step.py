@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from epdraft.bench.step import RandomHeads, preset_config
-from epdraft.dispatch import StepPlan
 from epdraft.kernels.attention import block_attention, block_attention_reference
 from epdraft.models import DFlashDraft, DraftModelSpec
-from epdraft.runtime.graphs import StepGraphs
+
+from tests.gpu.graph_replay import graph_vs_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -48,40 +48,8 @@ def _draft():
 @torch.no_grad()
 def test_graph_replay_equals_eager_over_100_steps_without_host_sync():
     spec, draft, heads = _draft()
-    B, n = spec.block_size, 5
-    width = spec.num_target_features * spec.hidden_size
-    pool = draft.new_pool(max_requests=8, max_context=100 * B + 64)
-    rids = list(range(n))
-    for rid in rids:
-        pool.admit(rid)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    draft.extend_pool(pool, rids, [torch.randn(17 + 3 * i, width, generator=gen, device="cuda").bfloat16() for i in rids])
-    graphs = StepGraphs(
-        lambda s, a, plan: draft.propose_pooled(pool, s, a, heads, plan), pad_slot=pool.pad_slot,
-        buckets=(1, 2, 4, 8), block_size=B, device=torch.device("cuda"),
-    )  # fmt: skip
-    slots = [pool.slot(r) for r in rids]
-    # Eager on the graph's padded batch (bucket 8: 3 pad rows on the pad slot): a GEMM's result in
-    # bf16 depends on its row count, so only the same shapes can be asked to agree bit for bit.
-    slots_N = torch.tensor(slots + [pool.pad_slot] * 3, device="cuda")
-    anchors = torch.randint(0, spec.vocab_size - 1, (n,), generator=gen, device="cuda")
-    mismatches = 0
-    for step in range(100):
-        plan = StepPlan(step=step, ranks=(0,), counts=(n * B,))
-        padded = torch.cat([anchors, anchors.new_zeros(3)])
-        eager, finite = draft.propose_pooled(pool, slots_N, padded, heads, plan)
-        eager = eager[:n]
-        anchor_list = anchors.tolist()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            replayed, replayed_finite = graphs.run(slots, anchor_list, plan)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        mismatches += int(not torch.equal(replayed, eager)) + int(not torch.equal(replayed_finite, finite))
-        # Commit 1..B rows per request (as verify would) so the context grows every step.
-        commit = [1 + (step + i) % B for i in rids]
-        draft.extend_pool(pool, rids, [torch.randn(c, width, generator=gen, device="cuda").bfloat16() for c in commit])
-        anchors = eager[:, 0]
+    mismatches, _ = graph_vs_eager(draft, heads, requests=5, bucket=8, buckets=(1, 2, 4, 8), steps=100,
+                                   first_rows=[17 + 3 * i for i in range(5)], seed=1)  # fmt: skip
     assert mismatches == 0
 
 
