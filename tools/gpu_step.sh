@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU check of the draft step (issue 13): its GPU tests, `epdraft bench step`, and `epdraft run`
-# (tiny pair, one rank, bf16) eager and with CUDA graphs. Logs go to ${OUT:-./gpu-step}.
+# (tiny pair, one rank, bf16) eager and with CUDA graphs; `random`: the random pair of realistic size
+# with graphs, lossless-checked. Parts: ${@:-tests bench run}. Logs go to ${OUT:-./gpu-step}.
 # On a machine without internet, put msgspec's wheel in .whl/ first (../shared/tools/device-wheels.sh).
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -26,6 +27,15 @@ for part in ${@:-tests bench run}; do
         timeout 150 python3 -m epdraft.cli run configs/h200x8-dp8-ep8.toml $ONE --set draft.moe_layout=replicated \
           --set draft.cuda_graphs=$graphs --json "$OUT/run-tiny-graphs-$graphs.json" 2>&1 | grep -v "^\[rank" | tail -14 | tee -a "$LOG"
       done ;;
-    *) echo "unknown part $part (tests, bench, run)" | tee -a "$LOG"; exit 2 ;;
+    random)
+      # the random-weight pair of realistic size (built here: ~4 GB), graphs on, lossless-checked
+      # against the fp32 target's own greedy decode
+      timeout 200 python3 tools/make_random_pair.py /tmp/rp --prompts 8 2>&1 | tail -2 | tee -a "$LOG"
+      # shellcheck disable=SC2086
+      timeout 300 python3 -m epdraft.cli run configs/h200x8-dp8-ep8.toml $ONE --set draft.moe_layout=replicated \
+        --set draft.cuda_graphs=true --draft /tmp/rp/draft --target /tmp/rp/target --prompts /tmp/rp/prompts.jsonl \
+        --max-prompts 8 --max-new-tokens 32 --json "$OUT/run-random-graphs.json" 2>&1 | grep -v "^\[rank" | tail -14 \
+        | tee -a "$LOG" ;;
+    *) echo "unknown part $part (tests, bench, run, random)" | tee -a "$LOG"; exit 2 ;;
   esac
 done
