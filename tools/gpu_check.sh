@@ -8,10 +8,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 MC_LOG_LEVEL=WARNING
 OUT=${OUT:-./gpu-check}
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+. "$(dirname "$0")/device_env.sh" || exit 1
 LOG=$OUT/gpu-check.log
 date -u +%FT%TZ | tee "$LOG"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"

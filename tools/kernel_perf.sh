@@ -16,10 +16,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-./kernel-perf}
 TABLES=${TABLES:-/tmp/tables}
 mkdir -p "$OUT" "$TABLES"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+. "$(dirname "$0")/device_env.sh" || exit 1
 [ -n "$(ls -A "$TABLES")" ] || cp epdraft/kernels/configs/*.json "$TABLES"/
 LOG=$OUT/kernel-perf.log
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | tee -a "$LOG"
