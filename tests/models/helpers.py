@@ -87,3 +87,12 @@ def tiny_target(seed: int = 0):
             if p.dim() == 2:
                 p.mul_(4.0)
     return HFTarget(model, feature_layer_ids=[0, 2])
+
+
+def hf_greedy(target, prompt: list[int], n: int) -> list[int]:
+    """The `n` tokens HF's own `generate` decodes greedily after `prompt`: the independent reference
+    every lossless test holds speculative decoding to (no early stop at an EOS)."""
+    ids = torch.tensor([prompt])
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()

@@ -8,7 +8,7 @@ import torch
 from epdraft.errors import ConfigError, LoadError, NonFiniteError
 from epdraft.models import DFlashDraft, DraftModelSpec, check_against_target, load_draft, speculative_generate
 from epdraft.models.attention import DFlashAttention
-from tests.models.helpers import H, VOCAB, draft_config, randomize, tiny_target, write_export
+from tests.models.helpers import H, VOCAB, draft_config, hf_greedy, randomize, tiny_target, write_export
 
 pytest.importorskip("transformers")
 
@@ -162,9 +162,7 @@ def test_speculative_generate_is_lossless_with_a_random_draft():
     target, draft = tiny_target(2), make_draft(seed=6)
     prompt, n = [3, 9, 27, 1, 40, 12], 20
     out = speculative_generate(target, draft, prompt, n)
-    ids = torch.tensor([prompt])
-    want = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+    want = hf_greedy(target, prompt, n)
     assert out.tokens == want
     assert all(0 <= a <= draft.block_size - 1 for a in out.accept_lens)
 
@@ -220,7 +218,5 @@ def test_hash_routed_draft_routes_by_the_block_token_ids(tmp_path):
     target = tiny_target(2)
     prompt, n = [3, 9, 27, 1, 40, 12], 16
     out = speculative_generate(target, draft, prompt, n)
-    ids = torch.tensor([prompt])
-    want = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+    want = hf_greedy(target, prompt, n)
     assert out.tokens == want

@@ -9,7 +9,7 @@ import torch
 from epdraft.errors import ConfigError, LoadError
 from epdraft.models import DraftModelSpec, DSparkDraft, load_draft, speculative_generate
 from epdraft.models.dspark import gated_latent, rnn_step
-from tests.models.helpers import H, VOCAB, draft_config, randomize, tiny_target, write_export
+from tests.models.helpers import H, VOCAB, draft_config, hf_greedy, randomize, tiny_target, write_export
 from tests.models.test_dflash import Heads
 
 HEADS = ("vanilla", "gated", "rnn")
@@ -219,8 +219,6 @@ def test_speculative_generate_is_lossless(markov, mask_filling):
     draft = make_dspark(6, markov=markov, mask_filling=mask_filling, moe=True)
     prompt, n = [3, 9, 27, 1, 40, 12, 5], 19
     out = speculative_generate(target, draft, prompt, n)
-    ids = torch.tensor([prompt])
-    want = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+    want = hf_greedy(target, prompt, n)
     assert out.tokens == want
     assert all(0 <= a <= draft.num_drafts for a in out.accept_lens)

@@ -7,7 +7,7 @@ import torch
 from epdraft.errors import ConfigError
 from epdraft.models import DFlashDraft, DraftModelSpec, speculative_generate
 from epdraft.models.cache import MIN_CAPACITY, context_mask
-from tests.models.helpers import H, draft_config, randomize, tiny_target
+from tests.models.helpers import H, draft_config, hf_greedy, randomize, tiny_target
 from tests.models.test_dflash import Heads, naive_attention
 
 TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
@@ -134,9 +134,7 @@ def test_speculative_generate_is_lossless_with_a_sliding_draft():
     target, draft = tiny_target(2), make(3, seed=6)
     prompt, n = [3, 9, 27, 1, 40, 12], 20
     out = speculative_generate(target, draft, prompt, n)
-    ids = torch.tensor([prompt])
-    want = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+    want = hf_greedy(target, prompt, n)
     assert out.tokens == want
 
 

@@ -4,10 +4,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 import epdraft
 from epdraft.models import DFlashDraft, check_against_target, load_draft, speculative_generate
+from tests.models.helpers import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,9 +28,7 @@ def test_tiny_pair_is_lossless_and_accepts_at_least_two():
     accepts = []
     for i, prompt in enumerate(prompts):
         out = speculative_generate(target, draft, prompt, 40, request_id=i)
-        ids = torch.tensor([prompt])
-        want = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, min_new_tokens=40,
-                                     do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+        want = hf_greedy(target, prompt, 40)
         assert out.tokens == want, f"prompt {i}: speculative output differs from the target's greedy decode"
         accepts += out.accept_lens
     assert sum(accepts) / len(accepts) >= 2.0
