@@ -7,19 +7,14 @@ accepts; both must equal the target's own greedy decode (then their tokens are e
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 from epdraft.config.parallel import load_parallel_config, parallel_config_from_dict
 from epdraft.worker.pairing import paired_draft_rank, paired_target_ranks
+from tests.e2e.faulty_run import processes_with, run_with_fault
 from tests.e2e.test_run import run_epdraft
-from tests.harness import free_port
 
 KILL_AT_STEP_ENV = "EPDRAFT_TEST_KILL_DRAFT_AT"  # read by tests/e2e/faults/sitecustomize.py
 
@@ -76,41 +71,17 @@ def test_one_draft_rank_serves_two_target_ranks(tmp_path):
 @pytest.mark.timeout(300)
 def test_killed_draft_rank_fails_every_rank_naming_it(tmp_path):
     timeout_s = 30
-    marker = uuid.uuid4().hex
-    # tests/e2e/faults/sitecustomize.py installs the fault in every worker at epdraft's test seam.
-    faults = str(Path(__file__).resolve().parent / "faults")
-    pythonpath = os.pathsep.join(p for p in (faults, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", KILL_AT_STEP_ENV: "3:5", "EPDRAFT_TEST_MARKER": marker,
-           "PYTHONPATH": pythonpath}  # fmt: skip
-    cmd = [sys.executable, "-m", "epdraft.cli", "run", DISAGG, *PROMPTS, "--no-lossless-check",
-           "--set", f"cluster.timeout_s={timeout_s}", "--master-port", str(free_port())]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    killed_at, lines = None, []
-    for line in proc.stderr:
-        lines.append(line)
-        if killed_at is None and f"{KILL_AT_STEP_ENV}: killing this rank at step 5" in line:
-            killed_at = time.monotonic()
-    returncode = proc.wait(timeout=60)
-    log = "".join(lines)
-    assert killed_at is not None, log
-    assert time.monotonic() - killed_at <= timeout_s + 30, log
-    assert returncode != 0, log
+    run = run_with_fault({KILL_AT_STEP_ENV: "3:5"},
+                         [DISAGG, *PROMPTS, "--no-lossless-check", "--set", f"cluster.timeout_s={timeout_s}"],
+                         f"{KILL_AT_STEP_ENV}: killing this rank at step 5")  # fmt: skip
+    log = run.stderr
+    assert run.seen_at is not None, log
+    assert run.ended_at - run.seen_at <= timeout_s + 30, log
+    assert run.returncode != 0, log
     # One line names it: node 1's torchrun, whose rank it was, usually fails first (its record of
     # the SIGKILL), else the target rank paired with it wrote why it failed first.
     last = log.strip().splitlines()[-1]
     named = ("epdraft run: rank 3 (node 1, pid ", "epdraft run: draft rank 3 stopped answering at step 5")
     assert last.startswith(named), log
     assert "ChildFailedError" not in log, log
-    assert _processes_with(marker) == [], log
-
-
-def _processes_with(marker: str) -> list[int]:
-    """Pids of live processes whose environment carries `marker` (this test's launch and its children)."""
-    found = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if f"EPDRAFT_TEST_MARKER={marker}".encode() in environ.read_bytes():
-                found.append(int(environ.parent.name))
-        except OSError:
-            continue
-    return found
+    assert processes_with(run.marker) == [], log

@@ -4,46 +4,23 @@ and no process of the run is left behind."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-import uuid
-from pathlib import Path
-
 import pytest
 
-from tests.e2e.test_disagg import _processes_with
-from tests.harness import free_port
+from tests.e2e.faulty_run import processes_with, run_with_fault
 
 SIGNAL_AT_STEP_ENV = "EPDRAFT_TEST_SIGNAL_AT"  # read by tests/e2e/faults/sitecustomize.py
-REPO = Path(__file__).resolve().parents[2]
-FAULTS = Path(__file__).resolve().parent / "faults"
 HANG_S = 5
 
 
 def _run_with_fault(fault: str) -> tuple[int, str, float]:
     """`epdraft run` with rank 1 sending itself the signal at step 3; (exit code, stderr, seconds
     from the signal to the command's exit). Asserts that nothing of the run outlives it."""
-    marker = uuid.uuid4().hex
-    pythonpath = os.pathsep.join(p for p in (str(FAULTS), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", SIGNAL_AT_STEP_ENV: fault, "EPDRAFT_TEST_MARKER": marker,
-           "PYTHONPATH": pythonpath}  # fmt: skip
-    cmd = [sys.executable, "-m", "epdraft.cli", "run", "--max-prompts", "4", "--max-new-tokens", "16",
-           "--no-lossless-check", "--set", f"cluster.hang_timeout_s={HANG_S}",
-           "--master-port", str(free_port())]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    signalled_at, lines = None, []
-    for line in proc.stderr:
-        lines.append(line)
-        if signalled_at is None and f"{SIGNAL_AT_STEP_ENV}: sending this rank" in line:
-            signalled_at = time.monotonic()
-    returncode = proc.wait(timeout=60)
-    ended_at = time.monotonic()
-    err = "".join(lines)
-    assert signalled_at is not None, err
-    assert _processes_with(marker) == [], err
-    return returncode, err, ended_at - signalled_at
+    args = ["--max-prompts", "4", "--max-new-tokens", "16", "--no-lossless-check", "--set",
+            f"cluster.hang_timeout_s={HANG_S}"]  # fmt: skip
+    run = run_with_fault({SIGNAL_AT_STEP_ENV: fault}, args, f"{SIGNAL_AT_STEP_ENV}: sending this rank")
+    assert run.seen_at is not None, run.stderr
+    assert processes_with(run.marker) == [], run.stderr
+    return run.returncode, run.stderr, run.ended_at - run.seen_at
 
 
 def _one_line(err: str, start: str) -> str:
