@@ -41,9 +41,9 @@ ALIGNED = {"F", "H", "stride_xt", "stride_we", "stride_wn", "stride_wh", "stride
 FLOATS = {"limit", "alpha"}
 
 UP = dict(TOP_K=2, ACT=0, HAS_LIMIT=False, HAS_BIAS=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
-          W_FMT=0, QBN=1, QBK=1, MXFP4_DOT_SCALED=False)
+          W_FMT=0, QBN=1, QBK=1, MXFP4_DOT_SCALED=False, PDL=False)
 DOWN = dict(HAS_BIAS=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, W_FMT=0, QBN=1, QBK=1,
-            MXFP4_DOT_SCALED=False)
+            MXFP4_DOT_SCALED=False, PDL=False)
 FP8 = dict(W_FMT=1, QBN=128, QBK=128)
 MXFP4 = dict(W_FMT=2, MXFP4_DOT_SCALED=True)  # through tl.dot_scaled (issue 15's first path)
 BITS = dict(W_FMT=2, MXFP4_DOT_SCALED=False)  # the bits path (epdraft.kernels.e2m1)

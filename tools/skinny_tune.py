@@ -2,6 +2,8 @@
 tile configs against cuBLAS (torch.nn.functional.linear), at the step's row counts.
 
     python tools/skinny_tune.py [--rows 16,32,128] [--quick]
+    python tools/skinny_tune.py --splits [--rows 16,32]   # the default config at each K split
+
 
 Each timing is a CUDA graph of 24 back-to-back calls cycling over 4 copies of the weights (more
 bytes than the L2 holds, so every call reads its weight from HBM), replayed 20 times: the median
@@ -58,7 +60,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", default="16,32,128")
     p.add_argument("--quick", action="store_true", help="fewer configs")
+    p.add_argument("--splits", action="store_true", help="the default config at K splits 1, 2, 4, 8 and the automatic one")
     args = p.parse_args()
+    if args.splits:
+        return _splits([int(r) for r in args.rows.split(",")])
     configs = list(itertools.product((16, 32), (128, 256, 512), (4, 8), (3, 4, 5)))
     if args.quick:
         configs = list(itertools.product((16, 32), (128, 256, 512), (4, 8), (3, 4)))
@@ -87,6 +92,33 @@ def main() -> None:
         ran = skinny._launch_config(best[1], max(16, 1 << (T - 1).bit_length()), 2 if gate_up else 1)
         note = "" if ran == best[1] else f" (ran as {ran}: shared memory)"
         print(f"{name:>20}{T:>5}{floor:>10.1f}{cublas:>9.1f}{default:>9.1f}{best[0]:>9.1f}  {best[1]}{note}", flush=True)
+
+
+def _splits(rows: list[int]) -> None:
+    """Per projection and row count: cuBLAS, then the default tile config at each K split, and the
+    split `skinny.choose_split` takes (what the draft step runs)."""
+    splits = (1, 2, 4, 8)
+    print(f"{'projection':>20}{'T':>5}{'floor us':>10}{'cublas':>9}" + "".join(f"{'split ' + str(s):>9}" for s in splits)
+          + f"{'auto':>9}  auto split")  # fmt: skip
+    for (name, K, widths), T in itertools.product(SHAPES, rows):
+        x = torch.randn(T, K, device="cuda").bfloat16()
+        ws = [[torch.randn(n, K, device="cuda").bfloat16() for n in widths] for _ in range(COPIES)]
+        floor = sum(widths) * K * 2 / HBM * 1e6
+        if name.startswith("gate_up"):
+            def run(split):
+                return lambda i: skinny.gate_up_act(x, ws[i][0], ws[i][1], True, 0.0, 1.0, split_k=split)
+            tiles = -(-widths[0] // skinny.DEFAULT_CONFIG[0])
+        else:
+            def run(split):
+                return lambda i: skinny.linear(x, ws[i], split_k=split)
+            tiles = sum(-(-n // skinny.DEFAULT_CONFIG[0]) for n in widths)
+        cublas = _graph_us(lambda i: [F.linear(x, w) for w in ws[i]])
+        times = [_graph_us(run(s)) for s in splits]
+        weight_tiles = 2 if name.startswith("gate_up") else 1
+        block_k = skinny._launch_config(skinny.DEFAULT_CONFIG, max(16, 1 << (T - 1).bit_length()), weight_tiles)[1]
+        auto = skinny.choose_split(tiles, K, block_k, x.device)
+        print(f"{name:>20}{T:>5}{floor:>10.1f}{cublas:>9.1f}" + "".join(f"{t:>9.1f}" for t in times)
+              + f"{_graph_us(run(None)):>9.1f}  {auto}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

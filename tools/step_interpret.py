@@ -10,6 +10,7 @@ check on the device, in bf16 and fp32. Needs Triton in a scratch dir:
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -123,11 +124,16 @@ def main() -> None:
     x = torch.randn(5, 300)
     ws = [torch.randn(40, 300), torch.randn(16, 300), torch.randn(7, 300)]
     cfg = (16, 64, 4, 1)
-    for n in (1, 2, 3):
-        diff(f"skinny linear x {n} weights", skinny._linear(x, ws[:n], cfg), torch.cat([F.linear(x, w) for w in ws[:n]], 1))
-    for act in acts:
-        got = skinny._gate_up_act(x, ws[0], ws[0] * 0.5, act.kind == "swiglu", act.limit, act.alpha, cfg)
-        diff(f"skinny gate_up {act.kind}", got, gated_act(F.linear(x, ws[0]), F.linear(x, ws[0] * 0.5), act))
+    # K = 300 is 5 tiles of 64: split 4 leaves the last split no tile, 3 an uneven one
+    for n, split in itertools.product((1, 2, 3), (1, 2, 3, 4)):
+        diff(f"skinny linear x {n} weights, split {split}", skinny._linear(x, ws[:n], cfg, split),
+             torch.cat([F.linear(x, w) for w in ws[:n]], 1))  # fmt: skip
+    for act, split in itertools.product(acts, (1, 2, 4)):
+        got = skinny._gate_up_act(x, ws[0], ws[0] * 0.5, act.kind == "swiglu", act.limit, act.alpha, cfg, split)
+        diff(f"skinny gate_up {act.kind}, split {split}", got,
+             gated_act(F.linear(x, ws[0]), F.linear(x, ws[0] * 0.5), act))  # fmt: skip
+    if skinny._arrived_scratch[torch.device("cpu")].any():
+        raise SystemExit("skinny: the split launches left an arrival count non-zero")
     _report(rows)
 
 

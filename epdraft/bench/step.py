@@ -4,7 +4,8 @@ For each batch N (`--requests`) and context length (`--context`), with random we
 random context already in the KV pool, it times (CUDA events, median of `--steps` after
 `--warmup`, replicated layout, one rank) the draft step three ways: `cache`, the cache-based
 eager step (what `DraftRuntime` ran before the KV pool); `eager`, the pooled step; `graph`, the
-pooled step replayed from a CUDA graph. The floor is max(bytes / 4.3 TB/s, FLOPs / 700 TFLOP/s)
+pooled step replayed from a CUDA graph; `no-pdl`, the same graph captured with programmatic
+dependent launch off (`epdraft.kernels.launch`: on by default on sm_90+). The floor is max(bytes / 4.3 TB/s, FLOPs / 700 TFLOP/s)
 counted from the shapes: the draft's non-expert weights, the experts the step's pairs touch
 (expected count), the lm_head, and the context K/V read. `kernels` is the eager pooled step's
 CUDA kernel count and `busy ms` their summed device time (torch profiler): a graph step longer
@@ -33,6 +34,7 @@ import torch
 
 from epdraft.dispatch import StepPlan
 from epdraft.errors import ConfigError
+from epdraft.kernels import launch
 
 HBM_BYTES_PER_S = 4.3e12  # H200 HBM3e, as reachable by a streaming kernel (device/H200.md)
 TENSOR_FLOPS = 700e12  # bf16 dense, sustained
@@ -200,7 +202,7 @@ def main(args: argparse.Namespace) -> int:
     B, results = spec.block_size, []
     label = str(args.draft) if args.draft else args.preset
     print(f"draft {label}: H {spec.hidden_size}, {spec.num_layers} layers, block {B}, bf16, {torch.cuda.get_device_name()}")
-    print(f"{'N':>5}{'context':>9}{'cache ms':>10}{'eager ms':>10}{'graph ms':>10}{'floor ms':>10}"
+    print(f"{'N':>5}{'context':>9}{'cache ms':>10}{'eager ms':>10}{'graph ms':>10}{'no-pdl ms':>10}{'floor ms':>10}"
           f"{'graph/floor':>12}{'cache/graph':>12}{'kernels':>9}{'busy ms':>9}")  # fmt: skip
     profiles = []
     for context in contexts:
@@ -209,10 +211,10 @@ def main(args: argparse.Namespace) -> int:
             pool.k[layer].normal_()
             pool.v[layer].normal_()
         pool.lengths.fill_(context)
-        graphs = StepGraphs(
+        graphs, no_pdl_graphs = (StepGraphs(
             lambda s, a, plan: draft.propose_pooled(pool, s, a, heads, plan), pad_slot=pool.pad_slot,
             buckets=tuple(sorted(set(requests))), block_size=B, device=device,
-        )  # fmt: skip
+        ) for _ in range(2))  # fmt: skip
         for n in requests:
             slots = torch.arange(n, device=device)
             anchors = torch.randint(0, spec.vocab_size - 1, (n,), device=device)
@@ -223,8 +225,11 @@ def main(args: argparse.Namespace) -> int:
                                                  args.profile)  # fmt: skip
                 slot_list, anchor_list = slots.tolist(), anchors.tolist()
                 graph = _time_ms(lambda: graphs.run(slot_list, anchor_list, plan), args.steps, args.warmup)
-                same = torch.equal(
-                    graphs.run(slot_list, anchor_list, plan)[0], draft.propose_pooled(pool, slots, anchors, heads, plan)[0]
+                with launch.pdl_off():  # captured on its first run, inside the block
+                    no_pdl = _time_ms(lambda: no_pdl_graphs.run(slot_list, anchor_list, plan), args.steps, args.warmup)
+                drafts = draft.propose_pooled(pool, slots, anchors, heads, plan)[0]
+                same = torch.equal(graphs.run(slot_list, anchor_list, plan)[0], drafts) and torch.equal(
+                    no_pdl_graphs.run(slot_list, anchor_list, plan)[0], drafts
                 )
                 cache = None
                 if not args.no_cache_path:
@@ -234,16 +239,16 @@ def main(args: argparse.Namespace) -> int:
             floor_s, nbytes, flops = floor_seconds(draft, heads, n, context)
             floor = floor_s * 1e3
             row = dict(kind="step", preset=label, requests=n, context=context, cache_ms=cache, eager_ms=eager,
-                       graph_ms=graph, floor_ms=floor, bytes=nbytes, flops=flops, kernels=kernels,
+                       graph_ms=graph, no_pdl_graph_ms=no_pdl, floor_ms=floor, bytes=nbytes, flops=flops, kernels=kernels,
                        busy_ms=busy_us / 1e3, graph_equals_eager=same, device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
             results.append(row)
             cache_text = f"{cache:>10.3f}" if cache is not None else f"{'-':>10}"
             ratio = f"{cache / graph:>12.1f}" if cache is not None else f"{'-':>12}"
-            print(f"{n:>5}{context:>9}{cache_text}{eager:>10.3f}{graph:>10.3f}{floor:>10.3f}{graph / floor:>12.2f}"
+            print(f"{n:>5}{context:>9}{cache_text}{eager:>10.3f}{graph:>10.3f}{no_pdl:>10.3f}{floor:>10.3f}{graph / floor:>12.2f}"
                   f"{ratio}{kernels:>9}{busy_us / 1e3:>9.3f}{'' if same else '  graph != eager'}")  # fmt: skip
             if args.profile:
                 profiles.append((n, context, busy_us, top))
-        del graphs, pool
+        del graphs, no_pdl_graphs, pool
         torch.cuda.empty_cache()
     for n, context, busy_us, top in profiles:
         print(f"top kernels of one eager step, N {n}, context {context} ({busy_us:.0f} µs of kernels):")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from epdraft.kernels._launch_triton import enter
+
 
 @triton.jit
 def block_attention_split_kernel(
@@ -26,7 +28,9 @@ def block_attention_split_kernel(
     chunk,
     G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    enter(PDL)
     n = tl.program_id(0)
     j = tl.program_id(1).to(tl.int64)  # j x (S x D) passes 2^31 in a long-context pool slot
     split = tl.program_id(2)

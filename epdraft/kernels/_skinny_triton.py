@@ -1,9 +1,15 @@
 """The Triton programs of `epdraft.kernels.skinny` (imported on first launch, never at package import).
 
 A draft step's dense projections multiply few rows (N requests x B block rows, at most
-`skinny.MAX_ROWS`) by large weights: memory-bound on the weight bytes. One program owns BLOCK_N weight rows (output columns)
-over all of K and all of the step's rows, so the weight is read once, in full tiles, with no split-K
-partials to reduce, and several weights (q, k, v) or a gate/up pair run in one launch.
+`skinny.MAX_ROWS`) by large weights: memory-bound on the weight bytes. A program owns BLOCK_N
+weight rows (output columns) over one of SPLIT_K slices of K and all of the step's rows, so each
+weight byte is read once, and several weights (q, k, v) or a gate/up pair run in one launch.
+Splitting K gives a narrow projection (a 1536-wide gate/up: 48 column tiles) enough programs to
+stream from every SM; the splits' fp32 partials are summed in split order by the tile's last
+program to arrive, so the result does not depend on which came last.
+
+With PDL a program prefetches the first PREFETCH bytes of each of its weight rows' K slice into
+L2 before it waits for the previous kernel (`epdraft.kernels.launch`).
 """
 
 from __future__ import annotations
@@ -11,20 +17,40 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from epdraft.kernels._launch_triton import launch_next, prefetch_l2, wait_previous
 from epdraft.kernels._step_triton import gated
 
 
 @triton.jit
-def _row_tiles(x_ptr, w_ptr, n0, M, N, K, stride_xm, stride_wn, acc,
+def _k_range(pid_k, K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[k_start, k_stop) of split pid_k: whole BLOCK_K tiles, the last split may hold fewer."""
+    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_start = pid_k * per_split
+    return k_start, tl.minimum(k_start + per_split, K)
+
+
+@triton.jit
+def _enter(w_ptr, n0, N, k_start, stride_wn, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    """PDL entry: the next kernel may launch, this program's weight rows [n0, n0 + BLOCK_N) get
+    their first PREFETCH bytes from k_start prefetched (no kernel writes weights), then the wait."""
+    launch_next(PDL)
+    if PDL and PREFETCH > 0:
+        n = tl.minimum(n0 + tl.arange(0, BLOCK_N), N - 1)
+        prefetch_l2(w_ptr + n.to(tl.int64) * stride_wn + k_start, tl.full([BLOCK_N], PREFETCH, tl.int32))
+    wait_previous(PDL)
+
+
+@triton.jit
+def _row_tiles(x_ptr, w_ptr, n0, M, N, k_start, k_stop, stride_xm, stride_wn, acc,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """acc + x[:M] @ w[n0 : n0 + BLOCK_N]^T over all of K (fp32 accumulation)."""
+    """acc + x[:M, k_start:k_stop] @ w[n0 : n0 + BLOCK_N, k_start:k_stop]^T (fp32 accumulation)."""
     m = tl.arange(0, BLOCK_M)
     n = n0 + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + m[:, None] * stride_xm + k[None, :]
     w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :]
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + k) < K
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        k_ok = (k0 + k) < k_stop
         x = tl.load(x_ptrs + k0, mask=(m < M)[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs + k0, mask=(n < N)[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
@@ -32,45 +58,87 @@ def _row_tiles(x_ptr, w_ptr, n0, M, N, K, stride_xm, stride_wn, acc,
 
 
 @triton.jit
+def _last_split(part_ptrs, arrived_ptr, tile, pid_k, stride_ps, acc, mask, SPLIT_K: tl.constexpr):
+    """Store this split's partial acc; (whether this program is the tile's last split to arrive,
+    the sum of all splits' partials in split order when it is). The last one resets the count."""
+    tl.store(part_ptrs + pid_k * stride_ps, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partials are written before the release below
+    last = tl.atomic_add(arrived_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
+    total = tl.zeros(acc.shape, tl.float32)
+    if last:
+        tl.store(arrived_ptr + tile, 0)
+        for s in tl.static_range(SPLIT_K):
+            total += tl.load(part_ptrs + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+    return last, total
+
+
+@triton.jit
 def skinny_linear_kernel(
-    x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr,
-    M, N0, N1, N2, K, stride_xm, stride_w0, stride_w1, stride_w2, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, part_ptr, arrived_ptr,
+    M, N0, N1, N2, K, stride_xm, stride_w0, stride_w1, stride_w2, stride_om, stride_ps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PREFETCH: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """out[:, concat] = x @ [w0; w1; w2]^T: programs [0, t0) own w0's tiles, then w1's, then w2's;
-    a weight with N_i = 0 has no programs. out's columns are w0's, then w1's, then w2's."""
-    pid = tl.program_id(0)
+    """out[:, concat] = x @ [w0; w1; w2]^T: column tiles [0, t0) are w0's, then w1's, then w2's
+    (a weight with N_i = 0 has none); program pid is tile pid // SPLIT_K, split pid % SPLIT_K.
+    out's columns are w0's, then w1's, then w2's; part_ptr [SPLIT_K, M, N0 + N1 + N2] fp32 and
+    arrived_ptr (one zeroed count per tile, left zeroed) serve SPLIT_K > 1."""
+    tile = tl.program_id(0) // SPLIT_K
+    pid_k = tl.program_id(0) % SPLIT_K
     t0 = tl.cdiv(N0, BLOCK_N)
     t1 = tl.cdiv(N1, BLOCK_N)
-    which = (pid >= t0).to(tl.int32) + (pid >= t0 + t1).to(tl.int32)
-    n0 = (pid - tl.where(which == 0, 0, tl.where(which == 1, t0, t0 + t1))) * BLOCK_N
+    which = (tile >= t0).to(tl.int32) + (tile >= t0 + t1).to(tl.int32)
+    n0 = (tile - tl.where(which == 0, 0, tl.where(which == 1, t0, t0 + t1))) * BLOCK_N
     N = tl.where(which == 0, N0, tl.where(which == 1, N1, N2))
     col = tl.where(which == 0, 0, tl.where(which == 1, N0, N0 + N1))
+    k_start, k_stop = _k_range(pid_k, K, SPLIT_K, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if which == 0:
-        acc = _row_tiles(x_ptr, w0_ptr, n0, M, N, K, stride_xm, stride_w0, acc, BLOCK_M, BLOCK_N, BLOCK_K)
+        _enter(w0_ptr, n0, N, k_start, stride_w0, BLOCK_N, PREFETCH, PDL)
+        acc = _row_tiles(x_ptr, w0_ptr, n0, M, N, k_start, k_stop, stride_xm, stride_w0, acc, BLOCK_M, BLOCK_N, BLOCK_K)
     elif which == 1:
-        acc = _row_tiles(x_ptr, w1_ptr, n0, M, N, K, stride_xm, stride_w1, acc, BLOCK_M, BLOCK_N, BLOCK_K)
+        _enter(w1_ptr, n0, N, k_start, stride_w1, BLOCK_N, PREFETCH, PDL)
+        acc = _row_tiles(x_ptr, w1_ptr, n0, M, N, k_start, k_stop, stride_xm, stride_w1, acc, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
-        acc = _row_tiles(x_ptr, w2_ptr, n0, M, N, K, stride_xm, stride_w2, acc, BLOCK_M, BLOCK_N, BLOCK_K)
+        _enter(w2_ptr, n0, N, k_start, stride_w2, BLOCK_N, PREFETCH, PDL)
+        acc = _row_tiles(x_ptr, w2_ptr, n0, M, N, k_start, k_stop, stride_xm, stride_w2, acc, BLOCK_M, BLOCK_N, BLOCK_K)
     m = tl.arange(0, BLOCK_M)
     n = n0 + tl.arange(0, BLOCK_N)
+    mask = (m < M)[:, None] & (n < N)[None, :]
     o_ptrs = out_ptr + m[:, None] * stride_om + (col + n)[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(m < M)[:, None] & (n < N)[None, :])
+    if SPLIT_K == 1:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part_ptrs = part_ptr + m[:, None] * (N0 + N1 + N2) + (col + n)[None, :]
+        last, total = _last_split(part_ptrs, arrived_ptr, tile, pid_k, stride_ps, acc, mask, SPLIT_K)
+        if last:
+            tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def skinny_gate_up_kernel(
-    x_ptr, wg_ptr, wu_ptr, out_ptr,
-    M, I, K, stride_xm, stride_wg, stride_wu, stride_om, limit, alpha,
+    x_ptr, wg_ptr, wu_ptr, out_ptr, part_ptr, arrived_ptr,
+    M, I, K, stride_xm, stride_wg, stride_wu, stride_om, stride_ps, limit, alpha,
     SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PREFETCH: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """out = act(x @ wg^T, x @ wu^T) for one BLOCK_N column tile: the gate and up GEMMs and the
-    gated activation (fp32, as `epdraft.layers.activations.gated_act`, rounded to out's dtype)
-    in one program, the gate and up products rounded to x's dtype first as nn.Linear rounds them."""
-    n0 = tl.program_id(0) * BLOCK_N
+    """out = act(x @ wg^T, x @ wu^T) for one BLOCK_N column tile (program pid: tile pid // SPLIT_K,
+    split pid % SPLIT_K): the gate and up GEMMs and the gated activation (fp32, as
+    `epdraft.layers.activations.gated_act`, rounded to out's dtype) in one launch, the gate and up
+    products rounded to x's dtype first as nn.Linear rounds them. part_ptr [SPLIT_K, M, 2 I] fp32
+    (gate columns, then up) and arrived_ptr as in `skinny_linear_kernel`."""
+    tile = tl.program_id(0) // SPLIT_K
+    pid_k = tl.program_id(0) % SPLIT_K
+    n0 = tile * BLOCK_N
     dtype = out_ptr.dtype.element_ty
+    k_start, k_stop = _k_range(pid_k, K, SPLIT_K, BLOCK_K)
+    launch_next(PDL)
+    if PDL and PREFETCH > 0:
+        n = tl.minimum(n0 + tl.arange(0, BLOCK_N), I - 1).to(tl.int64)
+        prefetch_l2(wg_ptr + n * stride_wg + k_start, tl.full([BLOCK_N], PREFETCH, tl.int32))
+        prefetch_l2(wu_ptr + n * stride_wu + k_start, tl.full([BLOCK_N], PREFETCH, tl.int32))
+    wait_previous(PDL)
     m = tl.arange(0, BLOCK_M)
     n = n0 + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -79,11 +147,24 @@ def skinny_gate_up_kernel(
     wu_ptrs = wu_ptr + n[:, None].to(tl.int64) * stride_wu + k[None, :]
     g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # both weights' tiles in one loop: twice the loads in flight
-        k_ok = (k0 + k) < K
+    for k0 in range(k_start, k_stop, BLOCK_K):  # both weights' tiles in one loop: twice the loads in flight
+        k_ok = (k0 + k) < k_stop
         w_ok = (n < I)[:, None] & k_ok[None, :]
         x = tl.load(x_ptrs + k0, mask=(m < M)[:, None] & k_ok[None, :], other=0.0)
         g = tl.dot(x, tl.trans(tl.load(wg_ptrs + k0, mask=w_ok, other=0.0)), g)
         u = tl.dot(x, tl.trans(tl.load(wu_ptrs + k0, mask=w_ok, other=0.0)), u)
-    h = gated(g.to(dtype).to(tl.float32), u.to(dtype).to(tl.float32), limit, alpha, SWIGLU, HAS_LIMIT)
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], h.to(dtype), mask=(m < M)[:, None] & (n < I)[None, :])
+    mask = (m < M)[:, None] & (n < I)[None, :]
+    o_ptrs = out_ptr + m[:, None] * stride_om + n[None, :]
+    if SPLIT_K == 1:
+        h = gated(g.to(dtype).to(tl.float32), u.to(dtype).to(tl.float32), limit, alpha, SWIGLU, HAS_LIMIT)
+        tl.store(o_ptrs, h.to(dtype), mask=mask)
+    else:
+        part_ptrs = part_ptr + m[:, None] * (2 * I) + n[None, :]
+        tl.store(part_ptrs + I + pid_k * stride_ps, u, mask=mask)  # up's partial; gate's goes with the count
+        last, g = _last_split(part_ptrs, arrived_ptr, tile, pid_k, stride_ps, g, mask, SPLIT_K)
+        if last:
+            u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                u += tl.load(part_ptrs + I + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+            h = gated(g.to(dtype).to(tl.float32), u.to(dtype).to(tl.float32), limit, alpha, SWIGLU, HAS_LIMIT)
+            tl.store(o_ptrs, h.to(dtype), mask=mask)

@@ -11,14 +11,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from epdraft.kernels._launch_triton import enter
+
 
 @triton.jit
 def rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr,
     H, stride_x, stride_r, stride_o, stride_s, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One row: [s = x + r (rounded, stored)], out = w * (s * rsqrt(mean(s^2) + eps) rounded)."""
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     ok = offs < H
@@ -65,9 +69,11 @@ def qk_rope_store_kernel(
     eps,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
     Q_P: tl.constexpr, KV_P: tl.constexpr, HALF_P: tl.constexpr, D_P: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One block row (request n = row // B): its query heads normed and rotated into q_out [T, h, D];
     its KV heads, k normed and rotated and v as is, into the request's pool slot at the row's position."""
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HALF_P)
     pos = tl.load(pos_ptr + row).to(tl.int64)
@@ -93,10 +99,12 @@ def attention_merge_kernel(
     stride_sn, stride_sh, stride_ss,
     stride_on, stride_ob, stride_oh,
     G: tl.constexpr, B: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Merge one (request, KV head)'s key splits for ROWS of its rows: weights 2^(m_s - M) bring each
     split's sums to the common max M; row r = query head j*G + r // B, block row r % B, written to
     out [N, B, h, D]."""
+    enter(PDL)
     n = tl.program_id(0)
     j = tl.program_id(1)
     rows = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
@@ -127,6 +135,7 @@ def topk_route_kernel(
     logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, stride_l, renorm_eps, scale,
     TOP_K: tl.constexpr, K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One token: scores from its fp32 logits, top-TOP_K by TOP_K passes of argmax (ties: the lower
     expert), then the combine weights as `epdraft.layers.routing.route` makes them; K is TOP_K
@@ -134,6 +143,7 @@ def topk_route_kernel(
 
     SCORING: 0 softmax, 1 sigmoid, 2 sqrt(softplus), 3 softmax over the top-K logits.
     """
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
@@ -191,8 +201,10 @@ def gated(g, u, limit, alpha, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr):
 def gated_act_kernel(
     gate_ptr, up_ptr, out_ptr, I, stride_g, stride_u, stride_o, limit, alpha,
     SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """out = act(gate, up) in fp32, rounded to out's dtype (`epdraft.layers.activations.gated_act`)."""
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < I
@@ -208,9 +220,11 @@ def ffn_residual_kernel(
     H, stride_r, stride_y, stride_s, stride_g, stride_o,
     HAS_RESIDUAL: tl.constexpr, HAS_Y: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One row: out = [r +] ([y +] shared [* sigmoid(gate)]) (or r + y), rounding to out's dtype
     after the gate and after each add, as the torch chain does."""
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     ok = offs < H
@@ -229,8 +243,9 @@ def ffn_residual_kernel(
 
 
 @triton.jit
-def nonfinite_flag_kernel(x_ptr, flag_ptr, numel, BLOCK: tl.constexpr):
+def nonfinite_flag_kernel(x_ptr, flag_ptr, numel, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """*flag = 1 when any of the block's elements is NaN or inf (flag zeroed by the caller)."""
+    enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
     bad = tl.sum(tl.where((x != x) | (tl.abs(x) == float("inf")), 1, 0), axis=0)

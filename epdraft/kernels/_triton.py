@@ -9,6 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from epdraft.kernels._launch_triton import enter
 from epdraft.kernels.e2m1 import E2M1_CONSTRAINTS, E2M1_HI_PTX, E2M1_LO_PTX
 
 ACT_SWIGLU = 0
@@ -40,6 +41,7 @@ def align_kernel(
     MAX_PROGS: tl.constexpr,
     CHUNK: tl.constexpr,
     FIELD_BITS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program p sorts the pairs of experts [p*EPP, (p+1)*EPP) into their block-padded groups.
 
@@ -51,6 +53,7 @@ def align_kernel(
     programs, so with programs started in index order no program waits on one that cannot run.
     The last program to finish zeroes `sync_ptr` again for the next launch.
     """
+    enter(PDL)
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     lanes = tl.arange(0, EXPERTS_PER_PROG)
@@ -254,6 +257,7 @@ def gemm1_act_kernel(
     QBN: tl.constexpr = 1,
     QBK: tl.constexpr = 1,
     MXFP4_DOT_SCALED: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """h[rows, n] = act(x W_gate^T + b_gate, x W_up^T + b_up) for one block of sorted rows.
 
@@ -269,6 +273,7 @@ def gemm1_act_kernel(
     partials in split order and applies the activation, so the result does not depend on which
     program came last. Splitting gives short GEMMs enough programs to even out the SMs' work.
     """
+    enter(PDL)
     pid_m, pid_n, pid_k = _tile(tl.program_id(0), num_blocks, tl.cdiv(F, BLOCK_N), group_m, SPLIT_K)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -380,6 +385,7 @@ def gemm2_weight_kernel(
     QBN: tl.constexpr = 1,
     QBK: tl.constexpr = 1,
     MXFP4_DOT_SCALED: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """out[split, pair, n] = w_pair * (h W_down^T (+ b_down in split 0)) over this split's slice of F.
 
@@ -387,6 +393,7 @@ def gemm2_weight_kernel(
     partial sums are added in a fixed order by `topk_sum_kernel`, so the result is deterministic.
     W_FMT, QBN, QBK, MXFP4_DOT_SCALED: as in `gemm1_act_kernel`, for W_down `[e, H, F]` (h's pairs as int32).
     """
+    enter(PDL)
     pid_m, pid_n, pid_k = _tile(tl.program_id(0), num_blocks, tl.cdiv(H, BLOCK_N), group_m, SPLIT_K)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -446,8 +453,10 @@ def topk_sum_kernel(
     TOP_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """y[t] = sum over j, split of out[split, t*K + j] in fp32, in a fixed order; dropped pairs skipped."""
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_h = offs < H

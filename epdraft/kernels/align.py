@@ -16,6 +16,8 @@ import dataclasses
 
 import torch
 
+from epdraft.kernels import launch
+
 
 @dataclasses.dataclass(frozen=True)
 class AlignedPairs:
@@ -92,5 +94,6 @@ def align_pairs(ids_P: torch.Tensor, num_experts: int, block_m: int) -> AlignedP
         CHUNK=chunk,
         FIELD_BITS=chunk.bit_length(),
         num_warps=16 if chunk >= 4096 else 8 if chunk >= 1024 else 4,
+        **launch.kwargs(device),
     )
     return AlignedPairs(sorted_pairs, block_expert, num_padded, block_m, num_pairs)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from epdraft.errors import ConfigError
+from epdraft.kernels import launch
 from epdraft.kernels.align import next_pow2
 from epdraft.kernels.step_ops import merge_attention_splits
 
@@ -134,6 +135,7 @@ def _launch(q_NhBD, k_NgSD, v_NgSD, slots_N, kv_lens_N) -> torch.Tensor:
             chunk,
             G=G, B=B, D=D, ROWS=rows, BLOCK_S=_BLOCK_S, BLOCK_D=max(16, next_pow2(D)),
             PRECISION="ieee" if q_NhBD.dtype == torch.float32 else "tf32",  # fp32 means fp32, not TF32
+            **launch.kwargs(q_NhBD.device),
         )  # fmt: skip
     # [N, B, h, D] memory, returned as its [N, h, B, D] view: the o_proj reads it without a copy
     out_NBhD = q_NhBD.new_empty(N, B, h, D)

@@ -24,6 +24,7 @@ import torch
 
 from epdraft.config.ffn import ActivationSpec
 from epdraft.errors import ConfigError
+from epdraft.kernels import launch
 from epdraft.kernels.align import AlignedPairs, align_pairs
 from epdraft.kernels.tuning import DownConfig, MoeKernelConfig, UpConfig, dtype_name, fit_format, get_config
 from epdraft.kernels.weights import ExpertWeights, as_weights
@@ -258,6 +259,7 @@ def up_act(
         QBK=w13.block[1] if w13.format == "fp8" else 1,
         MXFP4_DOT_SCALED=dot_scaled,
         num_warps=up.num_warps,
+        **launch.kwargs(x_TH.device),
         num_stages=up.num_stages,
     )
     return h_MF
@@ -328,6 +330,7 @@ def down_combine(
         QBK=w2.block[1] if w2.format == "fp8" else 1,
         MXFP4_DOT_SCALED=dot_scaled,
         num_warps=down.num_warps,
+        **launch.kwargs(h_MF.device),
         num_stages=down.num_stages,
     )
     if direct:
@@ -346,6 +349,7 @@ def down_combine(
         SPLIT_K=down.split_k,
         BLOCK_H=_TOPK_SUM_BLOCK_H,
         num_warps=4,
+        **launch.kwargs(y_TH.device),
     )
     return y_TH
 

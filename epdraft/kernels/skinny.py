@@ -2,9 +2,10 @@
 
 At 16 rows cuBLAS picks split-K GEMMs plus a reduce kernel per projection and reads the weights
 at ~40-60 % of HBM bandwidth (docs/performance.md). Here one program owns a BLOCK_N slice of
-output columns over all of K and every row, so each weight is read once, and the q/k/v projections
-(or a shared expert's gate/up pair with its activation) share one launch. Callers use
-`fits` to choose these over `torch.nn.functional.linear`, which stays the path for everything else.
+output columns over a slice of K and every row, so each weight is read once, the splits are summed
+by the tile's last program in the same launch, and the q/k/v projections (or a shared expert's
+gate/up pair with its activation) share one launch. Callers use `fits` to choose these over
+`torch.nn.functional.linear`, which stays the path for everything else.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from epdraft.errors import ConfigError
+from epdraft.kernels import launch
 from epdraft.kernels.align import next_pow2
 
 log = logging.getLogger(__name__)
@@ -28,6 +30,15 @@ DEFAULT_CONFIG = (32, 128, 4, 5)
 # what the pipelined tiles are held to: Triton's buffers for a config took up to ~1.8x this count
 # of the stages' x and weight tiles on the H200, which has 227 KiB per SM
 _SMEM_BYTES = 96 * 1024
+# programs a launch aims at per SM when it splits K: a tile config's 60-100 KiB of pipelined
+# tiles lets two or three stream from one SM at once
+_PROGRAMS_PER_SM = 3
+_MAX_SPLIT = 8
+# weight bytes per row a program prefetches into L2 before it waits for the previous kernel
+# (PDL): ~2-3 µs of HBM time over a whole projection, what the previous kernel and the launch leave idle
+_PREFETCH_BYTES = 2048
+_MAX_TILES = 1 << 16  # split tiles' arrival counts per device (a 2M-wide projection at BLOCK_N 32)
+_arrived_scratch: dict[torch.device, torch.Tensor] = {}
 
 
 def _launch_config(config: tuple, block_m: int, weight_tiles: int) -> tuple[int, int, int, int]:
@@ -78,14 +89,17 @@ def _checked(x_TK: torch.Tensor, weights: Sequence[torch.Tensor], config: tuple 
     return config if config is not None else _device_config(x_TK.device)
 
 
-def linear(x_TK: torch.Tensor, weights: Sequence[torch.Tensor], config: tuple | None = None) -> torch.Tensor:
+def linear(
+    x_TK: torch.Tensor, weights: Sequence[torch.Tensor], config: tuple | None = None, split_k: int | None = None
+) -> torch.Tensor:
     """x @ [w0; w1; w2]^T as [T, sum N_i] in x's dtype (fp32 accumulation), 1-3 weights [N_i, K]
     in one launch: what `torch.cat([F.linear(x, w) for w in weights], 1)` computes, to rounding order.
-    `config` (BLOCK_N, BLOCK_K, num_warps, num_stages): the tuner's; default the device's."""
-    return _linear(x_TK, weights, _checked(x_TK, weights, config))
+    `config` (BLOCK_N, BLOCK_K, num_warps, num_stages) and `split_k` (K slices): the tuner's;
+    default the device's config and `choose_split`."""
+    return _linear(x_TK, weights, _checked(x_TK, weights, config), split_k)
 
 
-def _linear(x_TK: torch.Tensor, weights: Sequence[torch.Tensor], config: tuple) -> torch.Tensor:
+def _linear(x_TK: torch.Tensor, weights: Sequence[torch.Tensor], config: tuple, split_k: int | None = None) -> torch.Tensor:
     """`linear`'s launch, unchecked (what Triton's CPU interpreter runs in development: fp32 on CPU)."""
     from epdraft.kernels._skinny_triton import skinny_linear_kernel
 
@@ -95,28 +109,74 @@ def _linear(x_TK: torch.Tensor, weights: Sequence[torch.Tensor], config: tuple) 
     ws = list(weights) + [weights[0]] * (3 - len(weights))
     ns = [w.shape[0] for w in weights] + [0] * (3 - len(weights))
     out = torch.empty(T, sum(ns), dtype=x_TK.dtype, device=x_TK.device)
-    grid = (sum(-(-n // block_n) for n in ns),)
-    skinny_linear_kernel[grid](
-        x_TK, *ws, out, T, *ns, K, x_TK.stride(0), *(w.stride(0) for w in ws), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+    tiles = sum(-(-n // block_n) for n in ns)
+    split = split_k or choose_split(tiles, K, block_k, x_TK.device)
+    part, arrived = _split_buffers(split, T, sum(ns), tiles, out)
+    skinny_linear_kernel[(tiles * split,)](
+        x_TK, *ws, out, part, arrived, T, *ns, K, x_TK.stride(0), *(w.stride(0) for w in ws), out.stride(0),
+        part.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+        PREFETCH=_prefetch_bytes(ws, K, block_k, split), num_warps=warps, num_stages=stages, **launch.kwargs(x_TK.device),
     )  # fmt: skip
     return out
 
 
+def choose_split(tiles: int, K: int, block_k: int, device: torch.device) -> int:
+    """K splits of a launch of `tiles` column tiles: the largest power of two up to _MAX_SPLIT that
+    keeps tiles x split <= _PROGRAMS_PER_SM per SM and leaves every split >= 2 BLOCK_K tiles."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    split = 1
+    while (split * 2 <= _MAX_SPLIT and tiles * split * 2 <= _PROGRAMS_PER_SM * sms
+           and -(-K // block_k) >= 4 * split):  # fmt: skip
+        split *= 2
+    return split
+
+
+def _split_buffers(split: int, T: int, width: int, tiles: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 partials [split, T, width], the device's arrival counts): what a split launch reads;
+    `out` for both when split == 1 (the kernel reads neither).
+
+    The counts are one zeroed int32 per tile, shared by every launch on the device and left zeroed
+    by each: launches of one stream run one after another (a PDL launch waits for the previous
+    kernel before it counts), so only skinny launches on two streams at once could collide.
+    """
+    if split == 1:
+        return out, out
+    device = out.device
+    if tiles > _MAX_TILES:
+        raise ConfigError(f"skinny: {tiles} column tiles split over K exceed the {_MAX_TILES} arrival counts")
+    if device not in _arrived_scratch:
+        _arrived_scratch[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return torch.empty(split, T, width, dtype=torch.float32, device=device), _arrived_scratch[device]
+
+
+def _prefetch_bytes(weights: Sequence[torch.Tensor], K: int, block_k: int, split: int) -> int:
+    """Bytes of each weight row's K slice a program prefetches (PDL): _PREFETCH_BYTES over the
+    splits, within the shortest slice, in 16-byte units; 0 when a row or the base is not 16-byte
+    aligned (the bulk prefetch faults on those)."""
+    size = weights[0].element_size()
+    per_split = -(-(-(-K // block_k)) // split) * block_k
+    shortest = K - (split - 1) * per_split
+    aligned = all(w.data_ptr() % 16 == 0 and (w.stride(0) * size) % 16 == 0 for w in weights)
+    nbytes = min(_PREFETCH_BYTES // split, shortest * size) // 16 * 16
+    return nbytes if aligned and nbytes > 0 else 0
+
+
 def gate_up_act(
     x_TK: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, swiglu: bool, limit: float, alpha: float,
-    config: tuple | None = None,
+    config: tuple | None = None, split_k: int | None = None,
 ) -> torch.Tensor:
     """act(x @ w_gate^T, x @ w_up^T) [T, I] in x's dtype, in one launch: `gated_act(F.linear(x,
-    w_gate), F.linear(x, w_up), act).to(x.dtype)` (swiglu, or swigluoai with alpha; limit > 0 clamps)."""
+    w_gate), F.linear(x, w_up), act).to(x.dtype)` (swiglu, or swigluoai with alpha; limit > 0
+    clamps); `config`, `split_k` as in `linear`."""
     config = _checked(x_TK, [w_gate, w_up], config)
     if w_gate.shape != w_up.shape:
         raise ConfigError(f"skinny.gate_up_act: gate {tuple(w_gate.shape)} and up {tuple(w_up.shape)} must match")
-    return _gate_up_act(x_TK, w_gate, w_up, swiglu, limit, alpha, config)
+    return _gate_up_act(x_TK, w_gate, w_up, swiglu, limit, alpha, config, split_k)
 
 
 def _gate_up_act(
-    x_TK: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, swiglu: bool, limit: float, alpha: float, config: tuple
+    x_TK: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, swiglu: bool, limit: float, alpha: float, config: tuple,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """`gate_up_act`'s launch, unchecked (as `_linear`)."""
     from epdraft.kernels._skinny_triton import skinny_gate_up_kernel
@@ -126,9 +186,14 @@ def _gate_up_act(
     block_n, block_k, warps, stages = _launch_config(config, block_m, 2)
     I = w_gate.shape[0]
     out = torch.empty(T, I, dtype=x_TK.dtype, device=x_TK.device)
-    skinny_gate_up_kernel[(-(-I // block_n),)](
-        x_TK, w_gate, w_up, out, T, I, K, x_TK.stride(0), w_gate.stride(0), w_up.stride(0), out.stride(0),
-        limit, alpha, SWIGLU=swiglu, HAS_LIMIT=limit > 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+    tiles = -(-I // block_n)
+    split = split_k or choose_split(tiles, K, block_k, x_TK.device)
+    part, arrived = _split_buffers(split, T, 2 * I, tiles, out)
+    skinny_gate_up_kernel[(tiles * split,)](
+        x_TK, w_gate, w_up, out, part, arrived, T, I, K, x_TK.stride(0), w_gate.stride(0), w_up.stride(0),
+        out.stride(0), part.stride(0), limit, alpha, SWIGLU=swiglu, HAS_LIMIT=limit > 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+        PREFETCH=_prefetch_bytes([w_gate, w_up], K, block_k, split), num_warps=warps, num_stages=stages,
+        **launch.kwargs(x_TK.device),
     )  # fmt: skip
     return out

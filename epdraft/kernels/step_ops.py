@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from epdraft.errors import ConfigError
+from epdraft.kernels import launch
 from epdraft.kernels.align import next_pow2
 
 _MERGE_ROWS = 16  # rows per merge program: N * g programs alone leave most SMs idle at small N
@@ -52,6 +53,7 @@ def rms_norm(
         rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, s2, H, x2.stride(0), r2.stride(0), out.stride(0), s2.stride(0), eps,
             HAS_RESIDUAL=residual is not None, BLOCK_H=next_pow2(H), num_warps=4 if H <= 4096 else 8,
+            **launch.kwargs(x.device),
         )  # fmt: skip
     return out.view(shape), s2.view(shape)
 
@@ -107,7 +109,7 @@ def qk_norm_rope_store(
             *pool_k_PgCD.stride()[:3], *pool_v_PgCD.stride()[:3],
             eps,
             NUM_Q=h, NUM_KV=g, B=B, D=D, Q_P=next_pow2(h), KV_P=next_pow2(g), HALF_P=next_pow2(D // 2),
-            D_P=next_pow2(D), num_warps=4,
+            D_P=next_pow2(D), num_warps=4, **launch.kwargs(q_TX.device),
         )  # fmt: skip
     return q_out
 
@@ -125,6 +127,7 @@ def merge_attention_splits(acc: torch.Tensor, stat: torch.Tensor, out_NBhD: torc
             acc, stat, out_NBhD, splits,
             *acc.stride()[:4], *stat.stride()[:3], *out_NBhD.stride()[:3],
             G=G, B=B, D=D, ROWS=chunk, BLOCK_D=max(16, next_pow2(D)), num_warps=4,
+            **launch.kwargs(acc.device),
         )  # fmt: skip
 
 
@@ -135,7 +138,9 @@ def flag_nonfinite(x: torch.Tensor, flag: torch.Tensor) -> None:
 
     x, n = x.contiguous(), x.numel()
     if n:
-        nonfinite_flag_kernel[(-(-n // _FLAG_BLOCK),)](x, flag, n, BLOCK=_FLAG_BLOCK, num_warps=4)
+        nonfinite_flag_kernel[(-(-n // _FLAG_BLOCK),)](
+            x, flag, n, BLOCK=_FLAG_BLOCK, num_warps=4, **launch.kwargs(x.device)
+        )
 
 
 SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "softmax_topk": 3}
@@ -167,6 +172,7 @@ def topk_route(
             logits, bias, ids, weights, E, logits.stride(0), renorm_eps, routed_scaling_factor,
             TOP_K=top_k, K=next_pow2(top_k), SCORING=SCORINGS[scoring], HAS_BIAS=has_bias,
             NORM=norm_topk_prob, BLOCK_E=max(16, next_pow2(E)), num_warps=1 if E <= 256 else 4,
+            **launch.kwargs(logits.device),
         )  # fmt: skip
     return ids, weights
 
@@ -183,7 +189,7 @@ def gated_act(gate_TI: torch.Tensor, up_TI: torch.Tensor, swiglu: bool, limit: f
     if T:
         gated_act_kernel[(T, -(-I // block))](
             g2, u2, out, I, g2.stride(0), u2.stride(0), out.stride(0), limit, alpha,
-            SWIGLU=swiglu, HAS_LIMIT=limit > 0, BLOCK=block, num_warps=4,
+            SWIGLU=swiglu, HAS_LIMIT=limit > 0, BLOCK=block, num_warps=4, **launch.kwargs(out.device),
         )  # fmt: skip
     return out.view(gate_TI.shape)
 
@@ -213,6 +219,6 @@ def ffn_residual(
         ffn_residual_kernel[(T,)](
             r, y, sh, g, out, H, r.stride(0), y.stride(0), sh.stride(0), g.stride(0), out.stride(0),
             HAS_RESIDUAL=r2 is not None, HAS_Y=y2 is not None, HAS_SHARED=s2 is not None, HAS_GATE=g2 is not None,
-            BLOCK_H=next_pow2(H), num_warps=4 if H <= 4096 else 8,
+            BLOCK_H=next_pow2(H), num_warps=4 if H <= 4096 else 8, **launch.kwargs(out.device),
         )  # fmt: skip
     return out.view(first.shape)

@@ -153,3 +153,60 @@ def test_skinny_gate_up_equals_linear_then_activation(act, T):
     # another summation order: a product one bf16 rounding apart moves h by up to ~|h| / 128
     ref = gated_act(F.linear(x, wg), F.linear(x, wu), act).bfloat16()
     torch.testing.assert_close(got.float(), ref.float(), rtol=2**-6, atol=5e-2)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("split", [1, 2, 3, 8])
+def test_skinny_split_k_equals_cublas_and_repeats_bit_for_bit(split):
+    """K split over programs, the partials summed by each tile's last program in split order: the
+    product of the unsplit launch's accuracy, the same bits on every call, the counts left zeroed."""
+    x = torch.randn(16, 4096, device="cuda").bfloat16()
+    ws = [torch.randn(n, 4096, device="cuda").bfloat16() * 4096**-0.5 for n in (4096, 1024, 1024)]
+    got = skinny.linear(x, ws, split_k=split)
+    _close(got, torch.cat([F.linear(x, w) for w in ws], 1), torch.bfloat16)
+    assert all(torch.equal(skinny.linear(x, ws, split_k=split), got) for _ in range(5))
+    wg, wu = ws[1], ws[2] * 2
+    act = ActivationSpec()
+    h = skinny.gate_up_act(x, wg, wu, True, 0.0, 1.0, split_k=split)
+    torch.testing.assert_close(h.float(), gated_act(F.linear(x, wg), F.linear(x, wu), act).float(), rtol=2**-6, atol=5e-2)
+    assert torch.equal(skinny.gate_up_act(x, wg, wu, True, 0.0, 1.0, split_k=split), h)
+    torch.cuda.synchronize()
+    assert not skinny._arrived_scratch.get(x.device, torch.zeros(1)).any()
+
+
+@torch.no_grad()
+def test_pdl_launches_equal_launches_without_pdl_eager_and_in_a_graph():
+    """Programmatic dependent launch changes when a kernel starts, never what it reads: a chain of
+    100 dependent launches (each reading the one before's output, the skinny ones prefetching
+    their weights before the wait) gives the same bits with PDL as without, eager and replayed."""
+    from epdraft.kernels import launch
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not launch.pdl(device):
+        pytest.skip("PDL needs sm_90 or newer")
+    H, I = 4096, 1536
+    norm_w = torch.randn(H, device=device).bfloat16()
+    wg, wu = (torch.randn(I, H, device=device).bfloat16() * H**-0.5 for _ in range(2))
+    w_down = torch.randn(H, I, device=device).bfloat16() * I**-0.5
+    x = torch.randn(16, H, device=device).bfloat16()
+
+    def chain(h: torch.Tensor) -> torch.Tensor:
+        y = torch.zeros_like(h)
+        for _ in range(33):  # 3 launches each, all with PDL
+            normed, h = step_ops.rms_norm(h, norm_w, 1e-6, residual=y)
+            y = skinny.linear(skinny.gate_up_act(normed, wg, wu, True, 0.0, 1.0), [w_down])
+        return h + y
+
+    with_pdl = chain(x)
+    with launch.pdl_off():
+        without = chain(x)
+    assert torch.isfinite(without).all()
+    assert torch.equal(with_pdl, without)
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    chain(static_x)  # warm: compile every launch before the capture
+    with torch.cuda.graph(graph):
+        static_out = chain(static_x)
+    for _ in range(3):
+        graph.replay()
+        assert torch.equal(static_out, without)

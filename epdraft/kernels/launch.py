@@ -1,0 +1,59 @@
+"""Programmatic dependent launch (PDL) for the draft step's Triton kernels.
+
+Inside a CUDA graph each of the step's ~120 kernels still starts a microsecond or two after the one
+before it ends, and a memory-bound kernel then ramps up before it streams at full rate: at N = 1
+that was ~150 µs of a ~1 ms step on the H200 (docs/performance.md). With PDL (sm_90 and newer) a
+kernel is launched while the one before it still runs: its programs start, may read what no kernel
+of the step writes (weights: the skinny projections prefetch theirs into L2), then wait
+(`griddepcontrol.wait`) until the previous kernel has finished and its writes are visible, before
+any other read and before any write. Every kernel launched with PDL waits before its first
+dependent access, so "kernel k finished" still implies "every kernel before k finished": the stream
+order that torch's caching allocator and the step's buffers rely on holds.
+
+`kwargs(device)` is what a launch adds: `PDL` (the kernels' constexpr) and Triton's `launch_pdl`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+import torch
+
+_enabled = True
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_newer(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether launches on `device` use PDL: CUDA of compute capability 9.0 or newer (griddepcontrol
+    is sm_90 PTX), not Triton's CPU interpreter, and not inside `pdl_off`."""
+    return (
+        _enabled
+        and device.type == "cuda"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and _hopper_or_newer(device.index)
+    )
+
+
+def kwargs(device: torch.device) -> dict[str, bool]:
+    """The launch keywords of a PDL-aware kernel on `device`."""
+    on = pdl(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@contextlib.contextmanager
+def pdl_off() -> Iterator[None]:
+    """Launch without PDL inside this block: what `epdraft bench step` times beside it. A CUDA graph
+    keeps the launches it captured, so capture inside the block for a graph without PDL."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before
