@@ -121,9 +121,14 @@ def _linear(x_TK: torch.Tensor, weights: Sequence[torch.Tensor], config: tuple, 
 
 
 def choose_split(tiles: int, K: int, block_k: int, device: torch.device) -> int:
-    """K splits of a launch of `tiles` column tiles: the largest power of two up to _MAX_SPLIT that
-    keeps tiles x split <= _PROGRAMS_PER_SM per SM and leaves every split >= 2 BLOCK_K tiles."""
+    """K splits of a launch of `tiles` column tiles: 1 when the tiles alone give most SMs a program
+    (> 3/4 of them); else the largest power of two up to _MAX_SPLIT that keeps tiles x split <=
+    _PROGRAMS_PER_SM per SM and every split >= 2 BLOCK_K tiles. On the H200 (`tools/skinny_tune.py
+    --splits`, 16-32 rows) splitting paid only for the narrow gate/up pairs (48-72 tiles: 16.4 ->
+    12.8 µs at 4096 x 1536) and cost up to 40 % on the 128-192-tile projections."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    if 4 * tiles > 3 * sms:
+        return 1
     split = 1
     while (split * 2 <= _MAX_SPLIT and tiles * split * 2 <= _PROGRAMS_PER_SM * sms
            and -(-K // block_k) >= 4 * split):  # fmt: skip
