@@ -103,6 +103,35 @@ def main() -> None:
             raise SystemExit(f"topk_route {scoring} with a selection bias: other experts than route's")
         diff(f"topk_route {scoring} + selection bias, low logits", w, ref_w)
 
+    # the router's two launches against Router.forward's torch chain (fp32 F.linear (+ logit bias),
+    # then route): H in several slices, in one, a slice past H's end; two E tiles; 64-row tiles past
+    # T = 512. x in bf16 where the draft has it: the kernel only upcasts it, which the interpreter does right
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for T, H, E, K, bias_kind, dtype in ((5, 1000, 12, 3, "selection", bf16), (20, 96, 40, 4, "logit", fp32),
+                                         (3, 300, 200, 6, "none", bf16), (600, 200, 8, 2, "logit", bf16)):  # fmt: skip
+        x, weight, bias = torch.randn(T, H).to(dtype), torch.randn(E, H) * 3 * H**-0.5, torch.randn(E)
+        linear = F.linear(x.float(), weight)
+        logits = linear + bias if bias_kind == "logit" else linear
+        parts = step_ops.router_logits(x, weight)
+        diff(f"router_logits H={H} S={parts.shape[0]} E={E} T={T} (partials summed)", parts.sum(0), linear)
+        for scoring in ("softmax", "sigmoid", "sqrtsoftplus", "softmax_topk"):
+            spec = RouterSpec(num_experts=E, top_k=K, scoring=scoring, norm_topk_prob=scoring != "softmax",
+                              routed_scaling_factor=2.5, bias=bias_kind)  # fmt: skip
+            sel, added = (bias if bias_kind == "selection" else None), (bias if bias_kind == "logit" else None)
+            ref_ids, ref_w = route(logits, spec, sel)
+            ids, w = step_ops.topk_route(parts, K, scoring, sel, spec.norm_topk_prob, spec.renorm_eps,
+                                         spec.routed_scaling_factor, added)  # fmt: skip
+            name = f"router {scoring} H={H} E={E} K={K} bias={bias_kind}"
+            if not torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values):
+                raise SystemExit(f"{name}: other experts than route's")
+            # compared by expert id: logits in another summation order may swap two near-equal choices
+            diff(f"{name} weights", w.gather(1, ids.argsort(-1)), ref_w.gather(1, ref_ids.argsort(-1)))
+    parts = step_ops.router_logits(torch.randn(0, 64), torch.randn(8, 64))
+    ids, w = step_ops.topk_route(parts, 2, "softmax", None, True, 0.0, 1.0, torch.randn(8))
+    if parts.shape[1:] != (0, 8) or ids.shape != (0, 2) or w.shape != (0, 2):
+        shapes = f"partials {tuple(parts.shape)}, ids {tuple(ids.shape)}, weights {tuple(w.shape)}"
+        raise SystemExit(f"router at T = 0: {shapes}")
+
     acts = (ActivationSpec(), ActivationSpec(kind="swigluoai", limit=7.0, alpha=1.702))
     gate, up = torch.randn(6, 50) * 4, torch.randn(6, 50) * 4
     for act in acts:

@@ -131,15 +131,50 @@ def attention_merge_kernel(
 
 
 @triton.jit
-def topk_route_kernel(
-    logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, stride_l, renorm_eps, scale,
-    TOP_K: tl.constexpr, K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+def router_logits_kernel(
+    x_ptr, w_ptr, part_ptr, T, E, H, stride_x, stride_w, stride_ps, stride_pt,
+    SPLIT_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """One token: scores from its fp32 logits, top-TOP_K by TOP_K passes of argmax (ties: the lower
-    expert), then the combine weights as `epdraft.layers.routing.route` makes them; K is TOP_K
-    rounded up to a power of two (the width of the register vectors).
+    """BLOCK_T rows' partial logits over one SPLIT_H slice of H (program_id 1), all E experts
+    BLOCK_E at a time: x upcast to fp32 times the weight in fp32, stored to part [S, T, E].
+
+    input_precision="ieee": tl.dot's default for fp32 is TF32, whose 10-bit mantissas would move the
+    logits by ~1e-3 of their size and pick other experts than the torch path's fp32 GEMM on near-ties.
+    """
+    enter(PDL)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h_start = tl.program_id(1) * SPLIT_H
+    h_end = tl.minimum(h_start + SPLIT_H, H)
+    t_ok = rows < T
+    rows = rows.to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    h = tl.arange(0, BLOCK_H)
+    for e0 in range(0, E, BLOCK_E):
+        ee = e0 + e
+        e_ok = ee < E
+        acc = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+        for h0 in range(h_start, h_end, BLOCK_H):
+            hh = h0 + h
+            h_ok = hh < H
+            x = tl.load(x_ptr + rows[:, None] * stride_x + hh[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + ee[None, :] * stride_w + hh[:, None], mask=h_ok[:, None] & e_ok[None, :], other=0.0)
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        out = part_ptr + tl.program_id(1) * stride_ps + rows[:, None] * stride_pt + ee[None, :]
+        tl.store(out, acc, mask=t_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit
+def topk_route_kernel(
+    logits_ptr, logit_bias_ptr, bias_ptr, ids_ptr, weights_ptr, E, stride_ls, stride_l, renorm_eps, scale,
+    SPLITS: tl.constexpr, TOP_K: tl.constexpr, K: tl.constexpr, SCORING: tl.constexpr, HAS_LOGIT_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """One token: its fp32 logits (the sum of its SPLITS partials in split order, then the logit
+    bias), scores, top-TOP_K by TOP_K passes of argmax (ties: the lower expert), then the combine
+    weights as `epdraft.layers.routing.route` makes them; K is TOP_K rounded up to a power of two
+    (the width of the register vectors).
 
     SCORING: 0 softmax, 1 sigmoid, 2 sqrt(softplus), 3 softmax over the top-K logits.
     """
@@ -147,7 +182,13 @@ def topk_route_kernel(
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
-    logits = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf"))
+    row = logits_ptr + t * stride_l + e
+    logits = tl.load(row, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLITS):  # unrolled: the loads issue together, the adds keep their order
+        logits += tl.load(row + s * stride_ls, mask=ok, other=0.0)
+    if HAS_LOGIT_BIAS:
+        logits += tl.load(logit_bias_ptr + e, mask=ok, other=0.0)
+    logits = tl.where(ok, logits, float("-inf"))
     if SCORING == 0:
         z = tl.exp(logits - tl.max(logits, axis=0))
         scores = z / tl.sum(z, axis=0)

@@ -1,5 +1,6 @@
 """The draft step's small ops as single Triton launches (CUDA): norms, q/k norm + rotary + KV-pool
-write, the attention split merge, top-k routing, the gated activation and the FFN's output + residual add.
+write, the attention split merge, the router's logits and top-k, the gated activation and the FFN's
+output + residual add.
 
 Why: inside a CUDA graph each kernel still costs a few microseconds, and the step's torch chains
 (fp32 casts, pow/mean/rsqrt, the rotary's slices and cats, softmax/top-k/gather) made ~630
@@ -19,6 +20,8 @@ from epdraft.kernels.align import next_pow2
 
 _MERGE_ROWS = 16  # rows per merge program: N * g programs alone leave most SMs idle at small N
 _FLAG_BLOCK = 4096
+_ROUTER_PROGRAMS = 128  # about one per SM of an H100/H200: the router's weight read spread over the chip
+_ROUTER_MIN_SPLIT = 128  # narrower H slices: more partials for topk_route to read than the split gains
 
 
 def use_kernels(x: torch.Tensor) -> bool:
@@ -146,33 +149,87 @@ def flag_nonfinite(x: torch.Tensor, flag: torch.Tensor) -> None:
 SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "softmax_topk": 3}
 
 
+def router_logits(x_TH: torch.Tensor, weight_EH: torch.Tensor) -> torch.Tensor:
+    """Partial fp32 router logits [S, T, E] of x [T, H] (any float dtype) under the weight [E, H]:
+    part[s] = x[:, slice s] @ weight[:, slice s]^T in fp32 over S power-of-two slices of H, which
+    `topk_route` sums in split order (no atomics: the logits are the same bits on every launch).
+
+    Launches per MoE layer: 2 (this, then `topk_route`) where the router took 4 (x's fp32 cast,
+    cuBLAS's fp32 GEMM, its split-K reduce, `topk_route`; 5 with a logit bias's add). One program per
+    (BLOCK_T rows, H slice), ~_ROUTER_PROGRAMS of them at T = 16: one program walking all of H alone
+    made the step slower.
+
+    Raises:
+        ConfigError: x and the weight differ in H.
+    """
+    from epdraft.kernels._step_triton import router_logits_kernel
+
+    T, H = x_TH.shape
+    E = weight_EH.shape[0]
+    if weight_EH.shape[1] != H:
+        raise ConfigError(f"router_logits: x {tuple(x_TH.shape)} and weight {tuple(weight_EH.shape)} differ in H")
+    block_t = 16 if T <= 512 else 64  # 64-row tiles read each weight slice once per 64 rows, not 16
+    tiles = -(-T // block_t)
+    split_h = min(next_pow2(H), max(_ROUTER_MIN_SPLIT, next_pow2(-(-H * tiles // _ROUTER_PROGRAMS))))
+    splits = -(-H // split_h)
+    partials = torch.empty(splits, T, E, dtype=torch.float32, device=x_TH.device)
+    if T:
+        x, w = _rows(x_TH), _rows(weight_EH)
+        block_e = min(128, max(16, next_pow2(E)))
+        block_h = max(16, min(split_h, 64 if block_e > 32 else 256))  # tl.dot's K is 16 or more
+        tile = block_t * block_e + block_h * (block_t + block_e)  # fp32 registers: ~96 a thread at most
+        router_logits_kernel[(tiles, splits)](
+            x, w, partials, T, E, H, x.stride(0), w.stride(0), partials.stride(0), partials.stride(1),
+            SPLIT_H=split_h, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4 if tile <= 12288 else 8,
+            **launch.kwargs(x.device),
+        )  # fmt: skip
+    return partials
+
+
 def topk_route(
-    logits_TE: torch.Tensor,
+    logits_STE: torch.Tensor,
     top_k: int,
     scoring: str,
     selection_bias_E: torch.Tensor | None,
     norm_topk_prob: bool,
     renorm_eps: float,
     routed_scaling_factor: float,
+    logit_bias_E: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [T, K] int64, weights [T, K] fp32) from fp32 logits [T, E] in one launch: what
-    `epdraft.layers.routing.route` computes without group-limited selection (ties go to the lower
-    expert; E up to a few thousand: one program holds a token's E logits)."""
+    """(ids [T, K] int64, weights [T, K] fp32) in one launch: what `epdraft.layers.routing.route`
+    computes without group-limited selection (ties go to the lower expert; E up to a few thousand:
+    one program holds a token's E logits).
+
+    logits_STE: fp32 partial logits [S, T, E] (`router_logits`), summed in split order, or
+    finished logits [T, E] (S = 1); logit_bias_E [E] fp32 is added to the sum, as `Router.forward`
+    adds it to the logits.
+    Raises:
+        ConfigError: logits not fp32, or of neither shape.
+    """
     from epdraft.kernels._step_triton import topk_route_kernel
 
-    T, E = logits_TE.shape
-    ids = torch.empty(T, top_k, dtype=torch.long, device=logits_TE.device)
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits_TE.device)
+    if logits_STE.dtype != torch.float32 or logits_STE.dim() not in (2, 3):
+        got = f"{logits_STE.dtype} {tuple(logits_STE.shape)}"
+        raise ConfigError(f"topk_route: logits {got}, expected fp32 [S, T, E] or [T, E]")
+    parts = logits_STE if logits_STE.dim() == 3 else logits_STE.unsqueeze(0)
+    S, T, E = parts.shape
+    ids = torch.empty(T, top_k, dtype=torch.long, device=parts.device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=parts.device)
     if T:
-        logits = _rows(logits_TE)
+        parts = parts if parts.stride(-1) == 1 else parts.contiguous()
         # `route` picks softmax_topk's experts by the logits alone: a selection bias does not apply
         has_bias = selection_bias_E is not None and scoring != "softmax_topk"
-        bias = selection_bias_E if has_bias else logits
+        bias = selection_bias_E if has_bias else parts
+        logit_bias = logit_bias_E if logit_bias_E is not None else parts
+        block_e = max(16, next_pow2(E))
+        # a token's S partials are loaded at once (unrolled): at most ~64 fp32 registers a thread
+        warps = min(8, max(1 if E <= 256 else 4, next_pow2(-(-S * block_e // 2048))))
         topk_route_kernel[(T,)](
-            logits, bias, ids, weights, E, logits.stride(0), renorm_eps, routed_scaling_factor,
-            TOP_K=top_k, K=next_pow2(top_k), SCORING=SCORINGS[scoring], HAS_BIAS=has_bias,
-            NORM=norm_topk_prob, BLOCK_E=max(16, next_pow2(E)), num_warps=1 if E <= 256 else 4,
-            **launch.kwargs(logits.device),
+            parts, logit_bias, bias, ids, weights, E, parts.stride(0), parts.stride(1), renorm_eps,
+            routed_scaling_factor,
+            SPLITS=S, TOP_K=top_k, K=next_pow2(top_k), SCORING=SCORINGS[scoring],
+            HAS_LOGIT_BIAS=logit_bias_E is not None, HAS_BIAS=has_bias, NORM=norm_topk_prob,
+            BLOCK_E=block_e, num_warps=warps, **launch.kwargs(parts.device),
         )  # fmt: skip
     return ids, weights
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from epdraft.config.ffn import RouterSpec
 from epdraft.errors import ConfigError
-from epdraft.kernels.step_ops import topk_route, use_kernels
+from epdraft.kernels.step_ops import router_logits, topk_route, use_kernels
 from epdraft.layers.routing import hash_route, route
 
 
@@ -17,9 +17,11 @@ class Router(nn.Module):
 
     Parameters are fp32 whatever the model dtype (`weight [E, H]`, `bias [E]` when
     `spec.bias != "none"`): the logits are computed in fp32 so every rank and every
-    implementation picks the same experts on near-ties. On CUDA the selection and weights are one
-    launch (`epdraft.kernels.step_ops.topk_route`; group-limited routing keeps the torch chain).
-    A hash-routed router also holds
+    implementation picks the same experts on near-ties. On CUDA outside autograd the logits,
+    selection and weights are 2 launches (`epdraft.kernels.step_ops.router_logits`, `topk_route`)
+    where x's fp32 cast, cuBLAS's fp32 GEMM, its split-K reduce and the top-k launch made 4 (5 with
+    a logit bias's add); group-limited and hash routing keep the torch chain, which stays the
+    reference of those launches. A hash-routed router also holds
     `tid2eid [vocab, K]` int64 (the experts of each token id; a parameter so the loader fills it).
     """
 
@@ -49,6 +51,12 @@ class Router(nn.Module):
         Raises:
             ConfigError: a hash-routed router called without the token ids.
         """
+        s = self.spec
+        selection_bias = self.bias if s.bias == "selection" else None
+        if use_kernels(x_TH) and not s.group_limited and self.tid2eid is None:
+            logit_bias = self.bias if s.bias == "logit" else None
+            return topk_route(router_logits(x_TH, self.weight), s.top_k, s.scoring, selection_bias, s.norm_topk_prob,
+                              s.renorm_eps, s.routed_scaling_factor, logit_bias)  # fmt: skip
         logits_TE = F.linear(x_TH.float(), self.weight.float())
         if self.spec.bias == "logit":
             logits_TE = logits_TE + self.bias
@@ -57,11 +65,6 @@ class Router(nn.Module):
                 got = None if input_ids_T is None else list(input_ids_T.shape)
                 raise ConfigError(f"hash-routed router: needs input_ids_T [{x_TH.shape[0]}], got {got}")
             return hash_route(logits_TE, self.tid2eid[input_ids_T.to(self.tid2eid.device)], self.spec)
-        selection_bias = self.bias if self.spec.bias == "selection" else None
-        if use_kernels(logits_TE) and not self.spec.group_limited:
-            s = self.spec
-            return topk_route(logits_TE, s.top_k, s.scoring, selection_bias, s.norm_topk_prob, s.renorm_eps,
-                              s.routed_scaling_factor)  # fmt: skip
         return route(logits_TE, self.spec, selection_bias)
 
     def extra_repr(self) -> str:

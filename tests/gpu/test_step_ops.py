@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from epdraft.config.ffn import ActivationSpec, RouterSpec
 from epdraft.kernels import skinny, step_ops
 from epdraft.layers.activations import gated_act
-from epdraft.layers.routing import route
+from epdraft.layers.router import Router
+from epdraft.layers.routing import route, score
 from epdraft.models.attention import DFlashAttention, RMSNorm, apply_rope, rope_cos_sin
 
 pytestmark = pytest.mark.gpu
@@ -98,6 +99,70 @@ def test_topk_route_with_a_selection_bias_picking_low_logits(scoring):
                                  spec.routed_scaling_factor)  # fmt: skip
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+def _clear_tokens(logits_TE, selection_bias_E, scoring, K, delta):
+    """Tokens whose K-th and (K+1)-th choices no logit error up to delta can swap: a selection value
+    moves by at most its score's slope times delta (softmax 2s, sigmoid s(1-s), sqrt(softplus)
+    sigmoid / 2s, softmax_topk's logits 1), a bound relative to the scores themselves (softmax
+    scores of 256 experts are ~0.004: an absolute margin such as 1e-4 hides most tokens)."""
+    s = score(logits_TE, scoring)
+    slope = {"softmax": 2 * s, "sigmoid": s * (1 - s), "sqrtsoftplus": torch.sigmoid(logits_TE) / (2 * s),
+             "softmax_topk": torch.ones_like(s)}[scoring]  # fmt: skip
+    # softmax_topk picks by the logits alone, as `route` does
+    selection = s + selection_bias_E if selection_bias_E is not None and scoring != "softmax_topk" else s
+    values, ids = selection.topk(K + 1, dim=-1)
+    reach = slope.gather(1, ids[:, K - 1 :]).sum(dim=-1) * delta
+    return values[:, K - 1] - values[:, K] > reach
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "sqrtsoftplus", "softmax_topk"])
+@pytest.mark.parametrize("bias", ["none", "selection", "logit"])
+@pytest.mark.parametrize("E,H", [(8, 4096), (8, 5120), (128, 4096), (128, 5120), (256, 4096), (256, 5120)])
+@pytest.mark.parametrize("T", [1, 16, 128, 1000])
+def test_router_launches_equal_fp32_linear_then_route(scoring, bias, E, H, T):
+    """Router.forward on CUDA (router_logits + topk_route) against F.linear in fp32 (+ logit bias)
+    then `route`. The two sum each logit's products in different orders (~1e-6 apart): a token
+    whose K-th and (K+1)-th choices are closer than that may pick either, so ids are compared on
+    the tokens the logits' tolerance cannot flip, and as sets: two near-equal chosen experts may
+    come in either order, which the combine does not see."""
+    K = 2 if E == 8 else 8
+    spec = RouterSpec(num_experts=E, top_k=K, scoring=scoring, norm_topk_prob=scoring != "softmax",
+                      routed_scaling_factor=2.5, bias=bias)  # fmt: skip
+    gen = torch.Generator(device="cuda").manual_seed(E + H + T)
+    router = Router(spec, H, device="cuda")
+    # logits' std ~1: a softmax weight's relative error is up to twice the logits' absolute one,
+    # which grows with their size (std 2 came within 10% of rtol 1e-5 in a CPU emulation)
+    router.weight.copy_(torch.randn(E, H, generator=gen, device="cuda") * H**-0.5)
+    if bias != "none":
+        router.bias.copy_(torch.randn(E, generator=gen, device="cuda") * (0.02 if bias == "selection" else 1.0))
+    x = torch.randn(T, H, generator=gen, device="cuda").bfloat16()
+
+    linear = F.linear(x.float(), router.weight)
+    parts = step_ops.router_logits(x, router.weight)
+    summed = parts[0]
+    for p in parts[1:]:  # topk_route's order
+        summed = summed + p
+    delta = 1e-5 * linear.abs().max()
+    assert (summed - linear).abs().max() <= delta
+
+    logits = linear + router.bias if bias == "logit" else linear
+    selection_bias = router.bias if bias == "selection" else None
+    ref_ids, ref_w = route(logits, spec, selection_bias)
+    ids, w = router(x)
+    # Router.forward took the two launches, and they give the same bits every time (no atomics)
+    launch_ids, launch_w = step_ops.topk_route(parts, K, scoring, selection_bias, spec.norm_topk_prob, spec.renorm_eps,
+                                               2.5, router.bias if bias == "logit" else None)  # fmt: skip
+    assert torch.equal(ids, launch_ids) and torch.equal(w, launch_w)
+    clear = _clear_tokens(logits, selection_bias, scoring, K, delta)
+    assert clear.sum() >= int(0.9 * T)
+    order, ref_order = ids[clear].argsort(-1), ref_ids[clear].argsort(-1)
+    assert torch.equal(ids[clear].gather(1, order), ref_ids[clear].gather(1, ref_order))
+    torch.testing.assert_close(w[clear].gather(1, order), ref_w[clear].gather(1, ref_order), rtol=1e-5, atol=1e-8)
+
+    empty_ids, empty_w = router(x[:0])
+    assert empty_ids.shape == (0, K) and empty_w.shape == (0, K)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
