@@ -20,6 +20,10 @@ from epdraft.kernels.align import next_pow2
 
 _MERGE_ROWS = 16  # rows per merge program: N * g programs alone leave most SMs idle at small N
 _FLAG_BLOCK = 4096
+# rows up to which `Router` takes `router_logits`: on the H200 (docs/performance.md) it ran in 4 µs
+# at 16 rows where the fp32 cast, cuBLAS's GEMM and its reduce took ~13, and 7 µs at 128 rows, but
+# 24-42 µs at 512-1024 rows against cuBLAS's 17-21 (its 64-row tiles spill registers)
+ROUTER_KERNEL_MAX_ROWS = 128
 _ROUTER_PROGRAMS = 128  # about one per SM of an H100/H200: the router's weight read spread over the chip
 _ROUTER_MIN_SPLIT = 128  # narrower H slices: more partials for topk_route to read than the split gains
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from epdraft.config.ffn import RouterSpec
 from epdraft.errors import ConfigError
-from epdraft.kernels.step_ops import router_logits, topk_route, use_kernels
+from epdraft.kernels.step_ops import ROUTER_KERNEL_MAX_ROWS, router_logits, topk_route, use_kernels
 from epdraft.layers.routing import hash_route, route
 
 
@@ -55,8 +55,12 @@ class Router(nn.Module):
         selection_bias = self.bias if s.bias == "selection" else None
         if use_kernels(x_TH) and not s.group_limited and self.tid2eid is None:
             logit_bias = self.bias if s.bias == "logit" else None
-            return topk_route(router_logits(x_TH, self.weight), s.top_k, s.scoring, selection_bias, s.norm_topk_prob,
-                              s.renorm_eps, s.routed_scaling_factor, logit_bias)  # fmt: skip
+            if x_TH.shape[0] <= ROUTER_KERNEL_MAX_ROWS:
+                logits = router_logits(x_TH, self.weight)
+            else:
+                logits = F.linear(x_TH.float(), self.weight.float())
+            return topk_route(logits, s.top_k, s.scoring, selection_bias, s.norm_topk_prob, s.renorm_eps,
+                              s.routed_scaling_factor, logit_bias)  # fmt: skip
         logits_TE = F.linear(x_TH.float(), self.weight.float())
         if self.spec.bias == "logit":
             logits_TE = logits_TE + self.bias

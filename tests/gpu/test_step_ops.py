@@ -119,11 +119,11 @@ def _clear_tokens(logits_TE, selection_bias_E, scoring, K, delta):
 @torch.no_grad()
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "sqrtsoftplus", "softmax_topk"])
 @pytest.mark.parametrize("bias", ["none", "selection", "logit"])
-@pytest.mark.parametrize("E,H", [(8, 4096), (8, 5120), (128, 4096), (128, 5120), (256, 4096), (256, 5120)])
+@pytest.mark.parametrize("E,H", [(8, 4096), (128, 5120), (256, 4096)])
 @pytest.mark.parametrize("T", [1, 16, 128, 1000])
 def test_router_launches_equal_fp32_linear_then_route(scoring, bias, E, H, T):
-    """Router.forward on CUDA (router_logits + topk_route) against F.linear in fp32 (+ logit bias)
-    then `route`. The two sum each logit's products in different orders (~1e-6 apart): a token
+    """Router.forward on CUDA (router_logits + topk_route up to ROUTER_KERNEL_MAX_ROWS rows, then
+    cuBLAS's fp32 logits + topk_route) against F.linear in fp32 (+ logit bias) then `route`. The two sum each logit's products in different orders (~1e-6 apart): a token
     whose K-th and (K+1)-th choices are closer than that may pick either, so ids are compared on
     the tokens the logits' tolerance cannot flip, and as sets: two near-equal chosen experts may
     come in either order, which the combine does not see."""
@@ -151,8 +151,9 @@ def test_router_launches_equal_fp32_linear_then_route(scoring, bias, E, H, T):
     selection_bias = router.bias if bias == "selection" else None
     ref_ids, ref_w = route(logits, spec, selection_bias)
     ids, w = router(x)
-    # Router.forward took the two launches, and they give the same bits every time (no atomics)
-    launch_ids, launch_w = step_ops.topk_route(parts, K, scoring, selection_bias, spec.norm_topk_prob, spec.renorm_eps,
+    # Router.forward took the launches, and they give the same bits every time (no atomics)
+    taken = parts if T <= step_ops.ROUTER_KERNEL_MAX_ROWS else linear
+    launch_ids, launch_w = step_ops.topk_route(taken, K, scoring, selection_bias, spec.norm_topk_prob, spec.renorm_eps,
                                                2.5, router.bias if bias == "logit" else None)  # fmt: skip
     assert torch.equal(ids, launch_ids) and torch.equal(w, launch_w)
     clear = _clear_tokens(logits, selection_bias, scoring, K, delta)
