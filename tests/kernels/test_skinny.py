@@ -32,3 +32,37 @@ def test_cpu_projections_are_the_linear_layers():
     up = nn.Linear(64, 32, bias=False)
     act = ActivationSpec()
     assert torch.equal(gate_up(x, q, up, act), gated_act(q(x), up(x), act).to(x.dtype))
+
+
+@pytest.mark.parametrize("tiles,K,block_k,split", [
+    (48, 4096, 128, 8),    # a 1536-wide gate/up pair at BLOCK_N 32: 384 programs on 132 SMs
+    (72, 5120, 128, 4),    # 2304 wide: 8 would be 576 programs, past 3 a SM
+    (128, 4096, 128, 1),   # an o projection: its tiles already give most SMs a program
+    (192, 4096, 128, 1),   # q/k/v
+    (48, 512, 128, 2),     # 4 K tiles: splits keep >= 2 tiles each
+    (48, 128, 128, 1),     # one K tile: nothing to split
+])  # fmt: skip
+def test_choose_split_splits_only_launches_that_leave_sms_idle(tiles, K, block_k, split):
+    assert skinny.choose_split(tiles, K, block_k, torch.device("cpu")) == split  # CPU: an H200's 132 SMs
+
+
+def test_prefetch_bytes_stay_inside_every_split_and_need_16_byte_rows():
+    w = torch.empty(64, 4096, dtype=torch.bfloat16)
+    assert skinny._prefetch_bytes([w], 4096, 128, 1) == skinny._PREFETCH_BYTES
+    assert skinny._prefetch_bytes([w], 4096, 128, 8) == skinny._PREFETCH_BYTES // 8
+    # K = 300 in 64-wide tiles, 4 splits of 2 tiles: the last split's slice is empty
+    assert skinny._prefetch_bytes([torch.empty(8, 304, dtype=torch.bfloat16)[:, :300]], 300, 64, 4) == 0
+    # K = 1000 in 3 splits of 384: the last slice holds 232 elements = 464 bytes, read whole rows at most
+    assert skinny._prefetch_bytes([torch.empty(8, 1000, dtype=torch.bfloat16)], 1000, 128, 3) == 464 // 16 * 16
+    odd_rows = torch.empty(8, 1001, dtype=torch.bfloat16)[:, :1000]  # 2002-byte rows: not 16-byte aligned
+    assert skinny._prefetch_bytes([odd_rows], 1000, 128, 1) == 0
+    assert skinny._prefetch_bytes([w[:, 1:]], 4095, 128, 1) == 0  # base 2 bytes past an aligned one
+
+
+def test_pdl_is_off_on_the_cpu_and_inside_pdl_off():
+    from epdraft.kernels import launch
+
+    assert launch.kwargs(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+    with launch.pdl_off():
+        assert not launch.pdl(torch.device("cuda", 0))  # decided before any CUDA query
+    assert launch._enabled
