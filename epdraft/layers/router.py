@@ -18,10 +18,11 @@ class Router(nn.Module):
     Parameters are fp32 whatever the model dtype (`weight [E, H]`, `bias [E]` when
     `spec.bias != "none"`): the logits are computed in fp32 so every rank and every
     implementation picks the same experts on near-ties. On CUDA outside autograd the logits,
-    selection and weights are 2 launches (`epdraft.kernels.step_ops.router_logits`, `topk_route`)
-    where x's fp32 cast, cuBLAS's fp32 GEMM, its split-K reduce and the top-k launch made 4 (5 with
-    a logit bias's add); group-limited and hash routing keep the torch chain, which stays the
-    reference of those launches. A hash-routed router also holds
+    selection and weights are 2 launches up to `ROUTER_KERNEL_MAX_ROWS` rows
+    (`epdraft.kernels.step_ops.router_logits`, `topk_route`) where x's fp32 cast, cuBLAS's fp32
+    GEMM, its split-K reduce and the top-k launch made 4 (5 with a logit bias's add); above it
+    cuBLAS's fp32 logits go into `topk_route`. Group-limited and hash routing keep the torch chain,
+    which stays the reference of those launches. A hash-routed router also holds
     `tid2eid [vocab, K]` int64 (the experts of each token id; a parameter so the loader fills it).
     """
 
