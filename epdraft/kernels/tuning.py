@@ -144,9 +144,8 @@ def default_config(num_tokens: int, top_k: int, num_experts: int) -> MoeKernelCo
 
 @functools.lru_cache(maxsize=None)
 def load_table(path: Path) -> dict[int, MoeKernelConfig] | None:
-    """Read one table (cached); None and one warning if the file is missing; ConfigError if malformed."""
+    """Read one table (cached); None if the file is missing; ConfigError if malformed."""
     if not path.is_file():
-        log.warning("no tuned fused-experts config %s: using the default config (slower, same output)", path)
         return None
     try:
         table = msgspec.json.decode(path.read_bytes(), type=dict[int, MoeKernelConfig])
@@ -172,16 +171,33 @@ def get_config(
 ) -> MoeKernelConfig:
     """Config of the nearest tuned row count M = T * top_k (ties: the smaller); the default without a table.
 
-    Quantized `weights` without a table of their own take the shape's bf16 table (its tiles suit the
-    shape; `fit_format` then makes them runnable), else the default.
+    Quantized `weights` take their own table up to twice its largest tuned M, and the shape's bf16
+    table past that or without one (its tiles suit the shape; `fit_format` then makes them
+    runnable): on the H200, fp8 and mxfp4 tables tuned at T <= 512 ran T = 2048 1.5x slower on their
+    T = 512 tiles than on the bf16 table's T = 2048 ones (docs/gpu-results.md, sixth session run 2).
+    A missing table is named in one warning, with what is used instead.
     """
-    table = load_table(config_dir / config_file_name(num_experts, n, k, dtype, device_name, weights))
-    if table is None and weights != "bf16":
-        table = load_table(config_dir / config_file_name(num_experts, n, k, dtype, device_name))
-    if table is None:
-        return default_config(num_tokens, top_k, num_experts)
     rows = num_tokens * top_k
+    bf16_path = config_dir / config_file_name(num_experts, n, k, dtype, device_name)
+    table = None
+    if weights != "bf16":
+        own_path = config_dir / config_file_name(num_experts, n, k, dtype, device_name, weights)
+        table = load_table(own_path)
+        if table is None:
+            _warn_missing(own_path, "the shape's bf16 table" if load_table(bf16_path) else "the default config")
+        elif rows > 2 * max(table):
+            table = load_table(bf16_path) or table
+    if table is None:
+        table = load_table(bf16_path)
+        if table is None:
+            _warn_missing(bf16_path, "the default config")
+            return default_config(num_tokens, top_k, num_experts)
     return table[min(table, key=lambda m: (abs(m - rows), m))]
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_missing(path: Path, instead: str) -> None:
+    log.warning("no tuned fused-experts config %s: using %s (slower, same output)", path, instead)
 
 
 def save_table(table: dict[int, MoeKernelConfig], path: Path) -> None:

@@ -142,3 +142,18 @@ def test_fit_format_makes_a_config_runnable_for_quantized_weights():
     assert tuning.fit_format(wide, "bf16", 1, 100, 100) == wide
     with pytest.raises(ConfigError, match="not a multiple of 64"):
         tuning.fit_format(wide, "mxfp4", 32, hidden=4096, intermediate=96)
+
+
+def test_a_quantized_table_serves_up_to_twice_its_largest_rows_then_the_bf16_table(tmp_path, caplog):
+    tuning.save_table({16: cfg(16), 2048: cfg(128)}, tmp_path / tuning.config_file_name(8, 64, 32, torch.bfloat16, "Dev"))
+    tuning.save_table({48: cfg(32), 1536: cfg(64)},
+                      tmp_path / tuning.config_file_name(8, 64, 32, torch.bfloat16, "Dev", "mxfp4"))  # fmt: skip
+    lookup = lambda t: tuning.get_config(8, 64, 32, torch.bfloat16, t, 3, "Dev", tmp_path, weights="mxfp4")  # noqa: E731
+    assert lookup(16) == cfg(32) and lookup(512) == cfg(64)
+    assert lookup(1024) == cfg(64)  # M = 3072: twice the table's 1536, still its own
+    assert lookup(2048) == cfg(128)  # M = 6144: the bf16 table's nearest entry
+    assert not caplog.records  # both tables exist: nothing to warn about
+    assert tuning.get_config(8, 64, 32, torch.bfloat16, 16, 1, "Dev", tmp_path / "none", weights="fp8") == (
+        tuning.default_config(16, 1, 8)
+    )
+    assert any("weights=fp8" in r.getMessage() and "the default config" in r.getMessage() for r in caplog.records)
