@@ -8,8 +8,9 @@ pooled step replayed from a CUDA graph; `no-pdl`, the same graph captured with p
 dependent launch off (`epdraft.kernels.launch`: on by default on sm_90+). The floor is max(bytes / 4.3 TB/s, FLOPs / 700 TFLOP/s)
 counted from the shapes: the draft's non-expert weights, the experts the step's pairs touch
 (expected count), the lm_head, and the context K/V read. `kernels` is the eager pooled step's
-CUDA kernel count and `busy ms` their summed device time (torch profiler): a graph step longer
-than `busy` spends the difference between launches; `--profile K` prints its K costliest kernels. Prints a table and one JSON line per point (`--json FILE`
+CUDA kernel count and `busy ms` their summed device time (torch profiler, launched without PDL:
+with it a kernel's time would include its wait for the kernel before): a graph step longer than
+`busy` spends the difference between launches; `--profile K` prints its K costliest kernels. Prints a table and one JSON line per point (`--json FILE`
 appends them); `--plot FILE.png` draws graph step time and floor against N (needs matplotlib:
 `pip install 'epdraft[plot]'`), and `--from-json FILE --plot OUT.png` draws it from a saved
 `--json` file without running anything (no GPU needed: plot on a machine that has matplotlib).
@@ -221,8 +222,9 @@ def main(args: argparse.Namespace) -> int:
             plan = StepPlan(step=0, ranks=(0,), counts=(n * B,))
             with torch.no_grad():
                 eager = _time_ms(lambda: draft.propose_pooled(pool, slots, anchors, heads, plan), args.steps, args.warmup)
-                kernels, busy_us, top = _profile(lambda: draft.propose_pooled(pool, slots, anchors, heads, plan),
-                                                 args.profile)  # fmt: skip
+                with launch.pdl_off():  # a PDL kernel's time would count its wait for the one before
+                    kernels, busy_us, top = _profile(lambda: draft.propose_pooled(pool, slots, anchors, heads, plan),
+                                                     args.profile)  # fmt: skip
                 slot_list, anchor_list = slots.tolist(), anchors.tolist()
                 graph = _time_ms(lambda: graphs.run(slot_list, anchor_list, plan), args.steps, args.warmup)
                 with launch.pdl_off():  # captured on its first run, inside the block
