@@ -3,6 +3,7 @@ tile configs against cuBLAS (torch.nn.functional.linear), at the step's row coun
 
     python tools/skinny_tune.py [--rows 16,32,128] [--quick]
     python tools/skinny_tune.py --splits [--rows 16,32]   # the default config at each K split
+    python tools/skinny_tune.py --splits --no-pdl          # the same, launched without PDL (no weight prefetch)
 
 
 Each timing is a CUDA graph of 24 back-to-back calls cycling over 4 copies of the weights (more
@@ -14,13 +15,14 @@ weight bytes' floor at 4.3 TB/s, cuBLAS, the default config and the best config 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import statistics
 
 import torch
 import torch.nn.functional as F
 
-from epdraft.kernels import skinny
+from epdraft.kernels import launch, skinny
 
 HBM = 4.3e12
 COPIES, CALLS = 4, 24
@@ -61,9 +63,18 @@ def main() -> None:
     p.add_argument("--rows", default="16,32,128")
     p.add_argument("--quick", action="store_true", help="fewer configs")
     p.add_argument("--splits", action="store_true", help="the default config at K splits 1, 2, 4, 8 and the automatic one")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch without programmatic dependent launch: back-to-back calls of one projection then do "
+                   "not prefetch the next call's weights while the current one streams")  # fmt: skip
     args = p.parse_args()
-    if args.splits:
-        return _splits([int(r) for r in args.rows.split(",")])
+    with launch.pdl_off() if args.no_pdl else contextlib.nullcontext():
+        if args.splits:
+            return _splits([int(r) for r in args.rows.split(",")])
+        return _configs(args)
+
+
+def _configs(args: argparse.Namespace) -> None:
+    """Every tile config of the grid against cuBLAS and the default, per projection and row count."""
     configs = list(itertools.product((16, 32), (128, 256, 512), (4, 8), (3, 4, 5)))
     if args.quick:
         configs = list(itertools.product((16, 32), (128, 256, 512), (4, 8), (3, 4)))
