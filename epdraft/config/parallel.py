@@ -89,12 +89,12 @@ class DraftConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         bool, msgspec.Meta(description="deepep only: the fixed-buffer low-latency kernels (no host sync)")
     ] = False
     cuda_graphs: Annotated[
-        bool | Literal["auto"],
+        bool,
         msgspec.Meta(
             description="replay the draft step from CUDA graphs (CUDA; replicated, gather, torch_fixed or deepep "
-            "low_latency dispatch); 'auto': on wherever the draft runs on CUDA with such a dispatch"
+            "low_latency dispatch)"
         ),
-    ] = "auto"
+    ] = False
     max_requests: Annotated[
         int, msgspec.Meta(ge=0, description="requests one rank holds at once (KV pool slots); 0 = sized by the run")
     ] = 0
@@ -284,7 +284,7 @@ def _check_draft(pc: ParallelConfig) -> None:
             f"draft.low_latency = true selects DeepEP's low-latency kernels; it needs draft.a2a_backend = 'deepep' "
             f"(got {d.a2a_backend!r})"
         )
-    if d.cuda_graphs is True and pc.cluster.device == "cpu":
+    if d.cuda_graphs and pc.cluster.device == "cpu":
         raise ConfigError("draft.cuda_graphs = true needs CUDA but cluster.device = 'cpu'")
     if d.a2a_backend in FIXED_BUFFER_A2A_BACKENDS and d.max_rows_per_rank == 0:
         raise ConfigError(

@@ -96,7 +96,9 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
         d = pc.draft
         moe_layers = [layer for layer in ffn.layers if isinstance(layer, DraftMoeFFNSpec)]
         if not moe_layers:
-            return cls._with_graphs(cls.local(0, ffn.hidden_size, 0, device_type=groups.device_type), d.cuda_graphs)
+            return cls._checked_graphs(
+                cls.local(0, ffn.hidden_size, 0, device_type=groups.device_type, cuda_graphs=d.cuda_graphs)
+            )
         first = moe_layers[0]
         for i, layer in zip(ffn.moe_layers, moe_layers):
             if (layer.num_experts, layer.top_k) != (first.num_experts, first.top_k):
@@ -111,11 +113,11 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
             log.info("draft.moe_layout = 'auto' -> %s", reason)
         facts = dict(
             num_experts=first.num_experts, hidden_size=ffn.hidden_size, top_k=first.top_k,
-            device_type=groups.device_type, chosen_by_auto=d.moe_layout == "auto",
+            device_type=groups.device_type, cuda_graphs=d.cuda_graphs, chosen_by_auto=d.moe_layout == "auto",
             reason=reason,
         )  # fmt: skip
         if layout == "replicated":
-            return cls._with_graphs(cls.local(**facts), d.cuda_graphs)
+            return cls._checked_graphs(cls.local(**facts))
         check_moe_split(pc, ffn)
         resolved = cls(
             layout=layout,
@@ -130,16 +132,10 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
             **facts,
         )
         check_runnable(resolved, groups.moe)
-        return cls._with_graphs(resolved, d.cuda_graphs)
+        return cls._checked_graphs(resolved)
 
     @staticmethod
-    def _with_graphs(layout: MoeLayout, wanted: bool | Literal["auto"]) -> MoeLayout:
-        """`layout` with `draft.cuda_graphs` resolved: 'auto' is on for a capturable dispatch on CUDA
-        (eager Triton launches are host-bound there: ~5x slower on the H200); true is refused,
-        naming the key, where it cannot run."""
-        if wanted == "auto":
-            return msgspec.structs.replace(layout, cuda_graphs=layout.device_type == "cuda" and layout.capturable)
-        layout = msgspec.structs.replace(layout, cuda_graphs=wanted)
+    def _checked_graphs(layout: MoeLayout) -> MoeLayout:
         if layout.cuda_graphs and layout.device_type != "cuda":
             raise ConfigError("draft.cuda_graphs = true needs CUDA, and this rank's draft runs on the CPU")
         if layout.cuda_graphs and not layout.capturable:
