@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from epdraft.errors import ConfigError
+from epdraft.errors import ConfigError, EpdraftError
 from epdraft.kernels import launch
 from epdraft.kernels.align import next_pow2
 
@@ -150,6 +150,11 @@ def _split_buffers(split: int, T: int, width: int, tiles: int, out: torch.Tensor
     if tiles > _MAX_TILES:
         raise ConfigError(f"skinny: {tiles} column tiles split over K exceed the {_MAX_TILES} arrival counts")
     if device not in _arrived_scratch:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # zeros made inside a capture exist only once the graph replays: eager launches before
+            # that would read garbage counts and leave tiles unwritten
+            raise EpdraftError("skinny: the first K-split launch on a device ran inside a CUDA-graph capture; "
+                               "run the step once eagerly before capturing it (StepGraphs does)")  # fmt: skip
         _arrived_scratch[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
     return torch.empty(split, T, width, dtype=torch.float32, device=device), _arrived_scratch[device]
 
