@@ -24,7 +24,10 @@ _FLAG_BLOCK = 4096
 # at 16 rows where the fp32 cast, cuBLAS's GEMM and its reduce took ~13, and 7 µs at 128 rows, but
 # 24-42 µs at 512-1024 rows against cuBLAS's 17-21 (its 64-row tiles spill registers)
 ROUTER_KERNEL_MAX_ROWS = 128
-_ROUTER_PROGRAMS = 128  # about one per SM of an H100/H200: the router's weight read spread over the chip
+# H slices of a launch: 32 programs per 16 rows spread the weight read over the chip. The slice width
+# depends on H alone, so a token's logits (their summation order) do not depend on the batch around it:
+# eager and graph steps, padded to another row count, pick the same experts on near-ties
+_ROUTER_SLICES = 32
 _ROUTER_MIN_SPLIT = 128  # narrower H slices: more partials for topk_route to read than the split gains
 
 
@@ -160,7 +163,7 @@ def router_logits(x_TH: torch.Tensor, weight_EH: torch.Tensor) -> torch.Tensor:
 
     Launches per MoE layer: 2 (this, then `topk_route`) where the router took 4 (x's fp32 cast,
     cuBLAS's fp32 GEMM, its split-K reduce, `topk_route`; 5 with a logit bias's add). One program per
-    (BLOCK_T rows, H slice), ~_ROUTER_PROGRAMS of them at T = 16: one program walking all of H alone
+    (BLOCK_T rows, H slice), _ROUTER_SLICES slices of H: one program walking all of H alone
     made the step slower.
 
     Raises:
@@ -174,7 +177,7 @@ def router_logits(x_TH: torch.Tensor, weight_EH: torch.Tensor) -> torch.Tensor:
         raise ConfigError(f"router_logits: x {tuple(x_TH.shape)} and weight {tuple(weight_EH.shape)} differ in H")
     block_t = 16 if T <= 512 else 64  # 64-row tiles read each weight slice once per 64 rows, not 16
     tiles = -(-T // block_t)
-    split_h = min(next_pow2(H), max(_ROUTER_MIN_SPLIT, next_pow2(-(-H * tiles // _ROUTER_PROGRAMS))))
+    split_h = min(next_pow2(H), max(_ROUTER_MIN_SPLIT, next_pow2(-(-H // _ROUTER_SLICES))))
     splits = -(-H // split_h)
     partials = torch.empty(splits, T, E, dtype=torch.float32, device=x_TH.device)
     if T:
