@@ -30,13 +30,20 @@ def _k_range(pid_k, K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _enter(w_ptr, n0, N, k_start, stride_wn, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    """PDL entry: the next kernel may launch, this program's weight rows [n0, n0 + BLOCK_N) get
-    their first PREFETCH bytes from k_start prefetched (no kernel writes weights), then the wait."""
-    launch_next(PDL)
+def _prefetch_rows(w_ptr, n0, N, k_start, stride_wn, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    """With PDL, this program's weight rows [n0, n0 + BLOCK_N) get their first PREFETCH bytes from
+    k_start prefetched into L2 (called between `launch_next` and `wait_previous`: no kernel writes weights)."""
     if PDL and PREFETCH > 0:
         n = tl.minimum(n0 + tl.arange(0, BLOCK_N), N - 1)
         prefetch_l2(w_ptr + n.to(tl.int64) * stride_wn + k_start, tl.full([BLOCK_N], PREFETCH, tl.int32))
+
+
+@triton.jit
+def _enter(w_ptr, n0, N, k_start, stride_wn, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    """PDL entry of a one-weight program: the next kernel may launch, its weight rows are
+    prefetched (`_prefetch_rows`), then the wait for the previous kernel."""
+    launch_next(PDL)
+    _prefetch_rows(w_ptr, n0, N, k_start, stride_wn, BLOCK_N, PREFETCH, PDL)
     wait_previous(PDL)
 
 
@@ -67,9 +74,17 @@ def _last_split(part_ptrs, arrived_ptr, tile, pid_k, stride_ps, acc, mask, SPLIT
     total = tl.zeros(acc.shape, tl.float32)
     if last:
         tl.store(arrived_ptr + tile, 0)
-        for s in tl.static_range(SPLIT_K):
-            total += tl.load(part_ptrs + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+        total = _sum_splits(part_ptrs, stride_ps, mask, acc.shape, SPLIT_K)
     return last, total
+
+
+@triton.jit
+def _sum_splits(part_ptrs, stride_ps, mask, shape: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The SPLIT_K partials at part_ptrs (split s at + s * stride_ps) summed in split order, past L1."""
+    total = tl.zeros(shape, tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        total += tl.load(part_ptrs + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+    return total
 
 
 @triton.jit
@@ -134,10 +149,8 @@ def skinny_gate_up_kernel(
     dtype = out_ptr.dtype.element_ty
     k_start, k_stop = _k_range(pid_k, K, SPLIT_K, BLOCK_K)
     launch_next(PDL)
-    if PDL and PREFETCH > 0:
-        n = tl.minimum(n0 + tl.arange(0, BLOCK_N), I - 1).to(tl.int64)
-        prefetch_l2(wg_ptr + n * stride_wg + k_start, tl.full([BLOCK_N], PREFETCH, tl.int32))
-        prefetch_l2(wu_ptr + n * stride_wu + k_start, tl.full([BLOCK_N], PREFETCH, tl.int32))
+    _prefetch_rows(wg_ptr, n0, I, k_start, stride_wg, BLOCK_N, PREFETCH, PDL)
+    _prefetch_rows(wu_ptr, n0, I, k_start, stride_wu, BLOCK_N, PREFETCH, PDL)
     wait_previous(PDL)
     m = tl.arange(0, BLOCK_M)
     n = n0 + tl.arange(0, BLOCK_N)
@@ -163,8 +176,6 @@ def skinny_gate_up_kernel(
         tl.store(part_ptrs + I + pid_k * stride_ps, u, mask=mask)  # up's partial; gate's goes with the count
         last, g = _last_split(part_ptrs, arrived_ptr, tile, pid_k, stride_ps, g, mask, SPLIT_K)
         if last:
-            u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                u += tl.load(part_ptrs + I + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+            u = _sum_splits(part_ptrs + I, stride_ps, mask, (BLOCK_M, BLOCK_N), SPLIT_K)
             h = gated(g.to(dtype).to(tl.float32), u.to(dtype).to(tl.float32), limit, alpha, SWIGLU, HAS_LIMIT)
             tl.store(o_ptrs, h.to(dtype), mask=mask)
