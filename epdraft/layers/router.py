@@ -54,16 +54,16 @@ class Router(nn.Module):
         """
         s = self.spec
         selection_bias = self.bias if s.bias == "selection" else None
-        if use_kernels(x_TH) and not s.group_limited and self.tid2eid is None:
+        kernels = use_kernels(x_TH) and not s.group_limited and self.tid2eid is None
+        if kernels and x_TH.shape[0] <= ROUTER_KERNEL_MAX_ROWS:
+            logits_TE = router_logits(x_TH, self.weight)  # [S, T, E] partials: topk_route sums them
+        else:
+            logits_TE = F.linear(x_TH.float(), self.weight.float())
+        if kernels:
             logit_bias = self.bias if s.bias == "logit" else None
-            if x_TH.shape[0] <= ROUTER_KERNEL_MAX_ROWS:
-                logits = router_logits(x_TH, self.weight)
-            else:
-                logits = F.linear(x_TH.float(), self.weight.float())
-            return topk_route(logits, s.top_k, s.scoring, selection_bias, s.norm_topk_prob, s.renorm_eps,
+            return topk_route(logits_TE, s.top_k, s.scoring, selection_bias, s.norm_topk_prob, s.renorm_eps,
                               s.routed_scaling_factor, logit_bias)  # fmt: skip
-        logits_TE = F.linear(x_TH.float(), self.weight.float())
-        if self.spec.bias == "logit":
+        if s.bias == "logit":
             logits_TE = logits_TE + self.bias
         if self.tid2eid is not None:
             if input_ids_T is None or input_ids_T.shape != x_TH.shape[:1]:
