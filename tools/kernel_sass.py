@@ -41,9 +41,9 @@ ALIGNED = {"F", "H", "stride_xt", "stride_we", "stride_wn", "stride_wh", "stride
 FLOATS = {"limit", "alpha"}
 
 UP = dict(TOP_K=2, ACT=0, HAS_LIMIT=False, HAS_BIAS=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
-          W_FMT=0, QBN=1, QBK=1, MXFP4_DOT_SCALED=False, PDL=False)
+          W_FMT=0, QBN=1, QBK=1, MXFP4_DOT_SCALED=False, W_TMA=False, PDL=False)
 DOWN = dict(HAS_BIAS=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, W_FMT=0, QBN=1, QBK=1,
-            MXFP4_DOT_SCALED=False, PDL=False)
+            MXFP4_DOT_SCALED=False, W_TMA=False, PDL=False)
 FP8 = dict(W_FMT=1, QBN=128, QBK=128)
 MXFP4 = dict(W_FMT=2, MXFP4_DOT_SCALED=True)  # through tl.dot_scaled (issue 15's first path)
 BITS = dict(W_FMT=2, MXFP4_DOT_SCALED=False)  # the bits path (epdraft.kernels.e2m1)
@@ -67,6 +67,11 @@ CASES = [
     ("up mxfp4 bits split 2, 64x64", kernels.gemm1_act_kernel,
      {**UP, **BITS, "SPLIT_K": 2, "BLOCK_M": 64, "BLOCK_N": 64}, 4, 3, "*bf16"),
     ("down mxfp4 bits", kernels.gemm2_weight_kernel, {**DOWN, **BITS}, 4, 4, "*bf16"),
+    ("up tma", kernels.gemm1_act_kernel, {**UP, "W_TMA": True}, 4, 4, "*bf16"),
+    ("down tma", kernels.gemm2_weight_kernel, {**DOWN, "W_TMA": True}, 4, 4, "*bf16"),
+    ("up fp8 tma", kernels.gemm1_act_kernel, {**UP, **FP8, "W_TMA": True}, 4, 4, "*bf16"),
+    ("up mxfp4 bits tma", kernels.gemm1_act_kernel, {**UP, **BITS, "W_TMA": True}, 4, 4, "*bf16"),
+    ("down mxfp4 bits tma", kernels.gemm2_weight_kernel, {**DOWN, **BITS, "W_TMA": True}, 4, 4, "*bf16"),
 ]  # fmt: skip
 
 
@@ -77,6 +82,8 @@ def sass(fn, constexprs: dict, num_warps: int, num_stages: int, out_type: str) -
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
+        elif name == "w_desc":
+            signature[name] = _descriptor(constexprs) if constexprs.get("W_TMA") else "i32"
         elif name.endswith("_ptr"):
             pointers = {**POINTERS, **QUANT_POINTERS.get(constexprs["W_FMT"], {})}
             signature[name] = out_type if name == "out_ptr" else pointers.get(name, "*bf16")
@@ -99,19 +106,34 @@ def sass(fn, constexprs: dict, num_warps: int, num_stages: int, out_type: str) -
     return code, main_loop(dump)
 
 
+def _descriptor(constexprs: dict) -> str:
+    """The weight TMA descriptor's type: [1, BLOCK_N, BLOCK_K stored elements] of the format's dtype."""
+    fmt = constexprs["W_FMT"]
+    dtype = {0: "bf16", 1: "fp8e4nv", 2: "u8"}[fmt]
+    cols = constexprs["BLOCK_K"] // (2 if fmt == 2 else 1)
+    return f"tensordesc<{dtype}[1,{constexprs['BLOCK_N']},{cols}]>"
+
+
 ALU_OPS = ("LOP3", "PRMT", "SHF", "IADD3", "SEL", "ISETP", "PLOP3", "LEA", "IMNMX", "FSEL", "BFE", "BFI")
 
 
 def main_loop(dump: str) -> list[str]:
-    """The instructions of the longest loop: from a backward branch's target address to the branch."""
+    """The instructions of the main loop: of the spans from a backward branch's target to the branch,
+    the one holding the most matrix instructions, the shortest of those (a TMA wait's retry stub at
+    the kernel's end branches back into the loop too, and its span runs over the epilogue)."""
     lines = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s*([^;]*);", dump)]
     best: list[str] = []
     for address, ins in lines:
         target = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", ins)
         if target and int(target.group(1), 16) < address:
             body = [i for a, i in lines if int(target.group(1), 16) <= a <= address]
-            best = body if len(body) > len(best) else best
+            if (_mma(body), -len(body)) > (_mma(best), -len(best)):
+                best = body
     return best
+
+
+def _mma(body: list[str]) -> int:
+    return sum(1 for ins in body if "MMA" in ins.split()[ins.startswith("@")])
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ tile configs against cuBLAS (torch.nn.functional.linear), at the step's row coun
     python tools/skinny_tune.py [--rows 16,32,128] [--quick]
     python tools/skinny_tune.py --splits [--rows 16,32]   # the default config at each K split
     python tools/skinny_tune.py --splits --no-pdl          # the same, launched without PDL (no weight prefetch)
+    python tools/skinny_tune.py --wide --rows 64,128 --shapes 4096  # wide column tiles x K splits, for many rows
 
 
 Each timing is a CUDA graph of 24 back-to-back calls cycling over 4 copies of the weights (more
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import statistics
 
 import torch
@@ -62,6 +64,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", default="16,32,128")
     p.add_argument("--quick", action="store_true", help="fewer configs")
+    p.add_argument("--wide", action="store_true",
+                   help="wide column tiles (BLOCK_N 64-256) at K splits 1, 2, 4: where 64-128 rows make the x tile "
+                   "as large as the weight's")  # fmt: skip
+    p.add_argument("--shapes", default="", help="only the projections whose name holds this (e.g. 4096)")
+    p.add_argument("--json", default="", help="append every config's time to this JSON-lines file")
     p.add_argument("--splits", action="store_true", help="the default config at K splits 1, 2, 4, 8 and the automatic one")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch without programmatic dependent launch: back-to-back calls of one projection then do "
@@ -75,11 +82,14 @@ def main() -> None:
 
 def _configs(args: argparse.Namespace) -> None:
     """Every tile config of the grid against cuBLAS and the default, per projection and row count."""
-    configs = list(itertools.product((16, 32), (128, 256, 512), (4, 8), (3, 4, 5)))
+    configs = [(c, None) for c in itertools.product((16, 32), (128, 256, 512), (4, 8), (3, 4, 5))]
     if args.quick:
-        configs = list(itertools.product((16, 32), (128, 256, 512), (4, 8), (3, 4)))
-    print(f"{'projection':>20}{'T':>5}{'floor us':>10}{'cublas':>9}{'default':>9}{'best':>9}  best config (BN, BK, warps, stages)")
-    for (name, K, widths), T in itertools.product(SHAPES, [int(r) for r in args.rows.split(",")]):
+        configs = [(c, None) for c in itertools.product((16, 32), (128, 256, 512), (4, 8), (3, 4))]
+    if args.wide:
+        configs = [((n, k, w, s), split) for n, k, w, s, split in itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4), (1, 2, 4))]
+    print(f"{'projection':>20}{'T':>5}{'floor us':>10}{'cublas':>9}{'default':>9}{'best':>9}  best config ((BN, BK, warps, stages), split)")
+    shapes = [s for s in SHAPES if args.shapes in s[0]]
+    for (name, K, widths), T in itertools.product(shapes, [int(r) for r in args.rows.split(",")]):
         x = torch.randn(T, K, device="cuda").bfloat16()
         ws = [[torch.randn(n, K, device="cuda").bfloat16() for n in widths] for _ in range(COPIES)]
         floor = sum(widths) * K * 2 / HBM * 1e6
@@ -92,16 +102,26 @@ def _configs(args: argparse.Namespace) -> None:
             got = skinny.linear(x, ws[0])
         torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=5e-2)  # one bf16 rounding of the products
 
-        def run(cfg):
+        def run(cfg, split=None):
             if gate_up:
-                return lambda i: skinny.gate_up_act(x, ws[i][0], ws[i][1], True, 0.0, 1.0, config=cfg)
-            return lambda i: skinny.linear(x, ws[i], config=cfg)
+                return lambda i: skinny.gate_up_act(x, ws[i][0], ws[i][1], True, 0.0, 1.0, config=cfg, split_k=split)
+            return lambda i: skinny.linear(x, ws[i], config=cfg, split_k=split)
 
         cublas = _graph_us(lambda i: [F.linear(x, w) for w in ws[i]])
         default = _graph_us(run(skinny.DEFAULT_CONFIG))
-        best = min((_graph_us(run(c)), c) for c in configs)
-        ran = skinny._launch_config(best[1], max(16, 1 << (T - 1).bit_length()), 2 if gate_up else 1)
-        note = "" if ran == best[1] else f" (ran as {ran}: shared memory)"
+        launched = {}  # configs that launch alike (BLOCK_K halved to fit) timed once
+        for cfg, split in configs:
+            ran = skinny._launch_config(cfg, max(16, 1 << (T - 1).bit_length()), 2 if gate_up else 1)
+            launched.setdefault((ran, split), (cfg, split))
+        timed = [(_graph_us(run(*c)), c) for c in launched.values()]
+        if args.json:
+            with open(args.json, "a") as f:
+                for us, (cfg, split) in timed:
+                    f.write(json.dumps({"projection": name, "T": T, "config": cfg, "split": split, "us": us,
+                                        "cublas": cublas, "floor": floor}) + "\n")  # fmt: skip
+        best = min(timed, key=lambda t: t[0])
+        ran = skinny._launch_config(best[1][0], max(16, 1 << (T - 1).bit_length()), 2 if gate_up else 1)
+        note = "" if ran == best[1][0] else f" (ran as {ran}: shared memory)"
         print(f"{name:>20}{T:>5}{floor:>10.1f}{cublas:>9.1f}{default:>9.1f}{best[0]:>9.1f}  {best[1]}{note}", flush=True)
 
 

@@ -136,6 +136,23 @@ def _cols(pid_n, N, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _w_tile(w_ptr, w_desc, expert, rows, n_first, k0, stride_we, stride_wn, BLOCK_K: tl.constexpr,
+            W_TMA: tl.constexpr):
+    """W[expert, rows, k0 : k0 + BLOCK_K] as a [BLOCK_K, len(rows)] tile (K along dim 0, what the dots take).
+
+    W_TMA: one tensor-memory-accelerator copy of rows [n_first, n_first + len(rows)) through
+    `w_desc` (a [e, N, K] descriptor, block [1, len(rows), BLOCK_K]; rows past N read as zeros)
+    instead of a 16-byte load per thread with its own address: the main loop drops the per-element
+    address arithmetic. `rows` (int64, kept inside the expert) are what the per-thread loads read.
+    """
+    if W_TMA:
+        tile = w_desc.load([expert.to(tl.int32), n_first, k0])
+        return tl.trans(tl.reshape(tile, [rows.shape[0], BLOCK_K]))
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + expert * stride_we + rows[None, :] * stride_wn + offs_k[:, None])
+
+
+@triton.jit
 def _k_slice(pid_k, K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """K tiles per split, and split `pid_k`'s first BLOCK_K offsets into K."""
     k_tiles = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
@@ -174,8 +191,8 @@ def _e2m1_to_bf16(w):
 
 
 @triton.jit
-def _dot_mxfp4_bits(a_even, a_odd, acc, w_ptr, s_ptr, expert, rows, k0, stride_we, stride_wn, stride_se, stride_sn,
-                    BLOCK_K: tl.constexpr):
+def _dot_mxfp4_bits(a_even, a_odd, acc, w_ptr, w_desc, s_ptr, expert, rows, n_first, k0, stride_we, stride_wn,
+                    stride_se, stride_sn, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr):
     """acc + a @ W[rows, k0 : k0 + BLOCK_K]^T for MXFP4 rows `rows` (int64) of `expert`, a given as its
     even and odd K columns [BLOCK_M, BLOCK_K / 2]: each byte's low nibble is an even column's weight,
     its high nibble the next odd one's, so the two bf16 tiles (`_e2m1_to_bf16`, times the group's
@@ -185,16 +202,16 @@ def _dot_mxfp4_bits(a_even, a_odd, acc, w_ptr, s_ptr, expert, rows, k0, stride_w
     scale = _e8m0_to_bf16(tl.load(s_ptr + expert * stride_se + rows[None, :] * stride_sn + offs_s[:, None]))
     scale = tl.reshape(tl.broadcast_to(scale[:, None, :], [BLOCK_K // 32, 16, rows.shape[0]]),
                        [BLOCK_K // 2, rows.shape[0]])  # [K/2, N]: one scale per 16 bytes along K
-    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    w = tl.load(w_ptr + expert * stride_we + rows[None, :] * stride_wn + offs_b[:, None])  # [K/2, N] uint8
+    w = _w_tile(w_ptr, w_desc, expert, rows, n_first, k0 // 2, stride_we, stride_wn, BLOCK_K // 2, W_TMA)  # [K/2, N] u8
     lo, hi = _e2m1_to_bf16(w)
     acc = tl.dot(a_even, lo * scale, acc)
     return tl.dot(a_odd, hi * scale, acc)
 
 
 @triton.jit
-def _dot_quantized(a, acc, w_ptr, s_ptr, expert, rows, k0, stride_we, stride_wn, stride_se, stride_sn,
-                   W_FMT: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dot_quantized(a, acc, w_ptr, w_desc, s_ptr, expert, rows, n_first, k0, stride_we, stride_wn, stride_se, stride_sn,
+                   W_FMT: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr, BLOCK_K: tl.constexpr,
+                   W_TMA: tl.constexpr):
     """acc + a @ W[rows, k0 : k0 + BLOCK_K]^T for quantized weight rows `rows` (int64) of `expert`.
 
     FP8: the e4m3 tile (exact in bf16) times a, then the product times the block's fp32 scale per
@@ -202,8 +219,7 @@ def _dot_quantized(a, acc, w_ptr, s_ptr, expert, rows, k0, stride_we, stride_wn,
     bits path is `_dot_mxfp4_bits`.
     """
     if W_FMT == 1:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + expert * stride_we + rows[None, :] * stride_wn + offs_k[:, None])
+        w = _w_tile(w_ptr, w_desc, expert, rows, n_first, k0, stride_we, stride_wn, BLOCK_K, W_TMA)
         scale = tl.load(s_ptr + expert * stride_se + (rows // QBN) * stride_sn + k0 // QBK)
         # e4m3 -> bf16 is exact; the block's scale multiplies this K tile's partial product (a BLOCK_K
         # tile never crosses a scale block), BLOCK_M x BLOCK_N multiplies instead of BLOCK_K x BLOCK_N
@@ -220,6 +236,7 @@ def _dot_quantized(a, acc, w_ptr, s_ptr, expert, rows, k0, stride_we, stride_wn,
 def gemm1_act_kernel(
     x_ptr,
     w_ptr,
+    w_desc,
     s_ptr,
     b_ptr,
     h_ptr,
@@ -257,6 +274,7 @@ def gemm1_act_kernel(
     QBN: tl.constexpr = 1,
     QBK: tl.constexpr = 1,
     MXFP4_DOT_SCALED: tl.constexpr = False,
+    W_TMA: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """h[rows, n] = act(x W_gate^T + b_gate, x W_up^T + b_up) for one block of sorted rows.
@@ -287,14 +305,22 @@ def gemm1_act_kernel(
     if W_FMT == 0:
         g_ptrs = w_ptr + expert * stride_we + offs_n_w[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
         u_ptrs = g_ptrs + F * stride_wn
+        k_first = pid_k * k_tiles * BLOCK_K
         for k in range(0, k_tiles):
+            k_left = H - k * BLOCK_K  # offs_k already counts this split's start
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            if W_TMA:  # columns past H read as zeros
+                g = _w_tile(w_ptr, w_desc, expert, offs_n_w, pid_n * BLOCK_N, k_first + k * BLOCK_K, stride_we,
+                            stride_wn, BLOCK_K, W_TMA)
+                u = _w_tile(w_ptr, w_desc, expert, offs_n_w, F + pid_n * BLOCK_N, k_first + k * BLOCK_K, stride_we,
+                            stride_wn, BLOCK_K, W_TMA)
+            elif EVEN_K:
                 g = tl.load(g_ptrs)
                 u = tl.load(u_ptrs)
             else:
-                k_left = H - k * BLOCK_K  # offs_k already counts this split's start
-                a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
                 g = tl.load(g_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
                 u = tl.load(u_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
             acc_g = tl.dot(a, g, acc_g)
@@ -311,16 +337,20 @@ def gemm1_act_kernel(
         for k in range(0, k_tiles):
             if W_FMT == 2 and not MXFP4_DOT_SCALED:
                 a_even, a_odd = _even_odd(tl.load(a_pairs_ptrs + k * (BLOCK_K // 2), mask=valid[:, None], other=0))
-                acc_g = _dot_mxfp4_bits(a_even, a_odd, acc_g, w_ptr, s_ptr, expert, w_rows, k_first + k * BLOCK_K,
-                                        stride_we, stride_wn, stride_se, stride_sn, BLOCK_K)
-                acc_u = _dot_mxfp4_bits(a_even, a_odd, acc_u, w_ptr, s_ptr, expert, w_rows + F, k_first + k * BLOCK_K,
-                                        stride_we, stride_wn, stride_se, stride_sn, BLOCK_K)
+                acc_g = _dot_mxfp4_bits(a_even, a_odd, acc_g, w_ptr, w_desc, s_ptr, expert, w_rows, pid_n * BLOCK_N,
+                                        k_first + k * BLOCK_K, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K,
+                                        W_TMA)
+                acc_u = _dot_mxfp4_bits(a_even, a_odd, acc_u, w_ptr, w_desc, s_ptr, expert, w_rows + F,
+                                        F + pid_n * BLOCK_N, k_first + k * BLOCK_K, stride_we, stride_wn, stride_se,
+                                        stride_sn, BLOCK_K, W_TMA)
             else:
                 a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-                acc_g = _dot_quantized(a, acc_g, w_ptr, s_ptr, expert, w_rows, k_first + k * BLOCK_K, stride_we,
-                                       stride_wn, stride_se, stride_sn, W_FMT, QBN, QBK, BLOCK_K)
-                acc_u = _dot_quantized(a, acc_u, w_ptr, s_ptr, expert, w_rows + F, k_first + k * BLOCK_K, stride_we,
-                                       stride_wn, stride_se, stride_sn, W_FMT, QBN, QBK, BLOCK_K)
+                acc_g = _dot_quantized(a, acc_g, w_ptr, w_desc, s_ptr, expert, w_rows, pid_n * BLOCK_N,
+                                       k_first + k * BLOCK_K, stride_we, stride_wn, stride_se, stride_sn, W_FMT, QBN,
+                                       QBK, BLOCK_K, W_TMA)
+                acc_u = _dot_quantized(a, acc_u, w_ptr, w_desc, s_ptr, expert, w_rows + F, F + pid_n * BLOCK_N,
+                                       k_first + k * BLOCK_K, stride_we, stride_wn, stride_se, stride_sn, W_FMT, QBN,
+                                       QBK, BLOCK_K, W_TMA)
             a_ptrs += BLOCK_K * stride_xh
     store_n = offs_n[None, :] < F
     if SPLIT_K > 1:
@@ -355,6 +385,7 @@ def gemm1_act_kernel(
 def gemm2_weight_kernel(
     h_ptr,
     w_ptr,
+    w_desc,
     s_ptr,
     b_ptr,
     out_ptr,
@@ -385,6 +416,7 @@ def gemm2_weight_kernel(
     QBN: tl.constexpr = 1,
     QBK: tl.constexpr = 1,
     MXFP4_DOT_SCALED: tl.constexpr = False,
+    W_TMA: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """out[split, pair, n] = w_pair * (h W_down^T (+ b_down in split 0)) over this split's slice of F.
@@ -404,13 +436,19 @@ def gemm2_weight_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if W_FMT == 0:
         w_ptrs = w_ptr + expert * stride_we + offs_n_w[None, :].to(tl.int64) * stride_wh + offs_k[:, None]
+        k_first = pid_k * k_tiles * BLOCK_K
         for k in range(0, k_tiles):
+            k_left = F - k * BLOCK_K  # offs_k already counts this split's start
             if EVEN_K:
                 a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            if W_TMA:  # columns past F read as zeros
+                w = _w_tile(w_ptr, w_desc, expert, offs_n_w, pid_n * BLOCK_N, k_first + k * BLOCK_K, stride_we,
+                            stride_wh, BLOCK_K, W_TMA)
+            elif EVEN_K:
                 w = tl.load(w_ptrs)
             else:
-                k_left = F - k * BLOCK_K  # offs_k already counts this split's start
-                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
                 w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
             acc = tl.dot(a, w, acc)
             a_ptrs += BLOCK_K
@@ -424,12 +462,13 @@ def gemm2_weight_kernel(
         for k in range(0, k_tiles):
             if W_FMT == 2 and not MXFP4_DOT_SCALED:
                 a_even, a_odd = _even_odd(tl.load(a_pairs_ptrs + k * (BLOCK_K // 2)))
-                acc = _dot_mxfp4_bits(a_even, a_odd, acc, w_ptr, s_ptr, expert, w_rows, k_first + k * BLOCK_K,
-                                      stride_we, stride_wh, stride_se, stride_sh, BLOCK_K)
+                acc = _dot_mxfp4_bits(a_even, a_odd, acc, w_ptr, w_desc, s_ptr, expert, w_rows, pid_n * BLOCK_N,
+                                      k_first + k * BLOCK_K, stride_we, stride_wh, stride_se, stride_sh, BLOCK_K, W_TMA)
             else:
                 a = tl.load(a_ptrs)
-                acc = _dot_quantized(a, acc, w_ptr, s_ptr, expert, w_rows, k_first + k * BLOCK_K, stride_we,
-                                     stride_wh, stride_se, stride_sh, W_FMT, QBN, QBK, BLOCK_K)
+                acc = _dot_quantized(a, acc, w_ptr, w_desc, s_ptr, expert, w_rows, pid_n * BLOCK_N,
+                                     k_first + k * BLOCK_K, stride_we, stride_wh, stride_se, stride_sh, W_FMT, QBN, QBK,
+                                     BLOCK_K, W_TMA)
             a_ptrs += BLOCK_K
     if HAS_BIAS:
         if pid_k == 0:

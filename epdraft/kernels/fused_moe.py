@@ -26,7 +26,7 @@ from epdraft.config.ffn import ActivationSpec
 from epdraft.errors import ConfigError
 from epdraft.kernels import launch
 from epdraft.kernels.align import AlignedPairs, align_pairs
-from epdraft.kernels.tuning import DownConfig, MoeKernelConfig, UpConfig, dtype_name, fit_format, get_config
+from epdraft.kernels.tuning import DownConfig, GemmConfig, MoeKernelConfig, UpConfig, dtype_name, fit_format, get_config
 from epdraft.kernels.weights import ExpertWeights, as_weights
 
 _TOPK_SUM_BLOCK_H = 1024
@@ -180,6 +180,22 @@ def _mxfp4_dot_scaled(w: ExpertWeights, mxfp4_upcast: str) -> bool:
     return w.format == "mxfp4" and mxfp4_upcast == "dot_scaled"
 
 
+def _weight_descriptor(w: ExpertWeights, gemm: GemmConfig, dot_scaled: bool):
+    """(a TMA descriptor of w's values, block [1, block_n, block_k in stored elements], True) when
+    the config asks for TMA weight copies and the weights allow them; else (the values, False):
+    `tl.dot_scaled`'s loads, a base or row not 16-byte aligned, a tile row under 16 bytes."""
+    values = w.values
+    if not gemm.weight_tma or dot_scaled:
+        return values, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    cols = gemm.block_k // 2 if w.format == "mxfp4" else gemm.block_k
+    size = values.element_size()
+    if values.data_ptr() % 16 or (values.stride(1) * size) % 16 or cols * size < 16:
+        return values, False
+    return TensorDescriptor.from_tensor(values, [1, gemm.block_n, cols]), True
+
+
 def _pairs_aligned(t: torch.Tensor) -> torch.Tensor:
     """`t` [rows, K] itself if the bits path can read its K-column pairs as int32 (unit stride along
     K, even row stride, 4-byte aligned), else a contiguous copy."""
@@ -207,6 +223,7 @@ def up_act(
         x_TH = _pairs_aligned(x_TH)
     e, N, _ = w13.shape
     values = w13.values
+    w_desc, w_tma = _weight_descriptor(w13, up, dot_scaled)
     scales = w13.scales if w13.scales is not None else values
     F_ = N // 2
     max_rows = aligned.sorted_pairs_M.shape[0]
@@ -221,6 +238,7 @@ def up_act(
     gemm1_act_kernel[grid](
         x_TH,
         values,
+        w_desc,
         scales,
         b13_eN if b13_eN is not None else values,
         h_MF,
@@ -258,6 +276,7 @@ def up_act(
         QBN=w13.block[0] if w13.format == "fp8" else 1,  # only fp8 reads them: one compiled kernel otherwise
         QBK=w13.block[1] if w13.format == "fp8" else 1,
         MXFP4_DOT_SCALED=dot_scaled,
+        W_TMA=w_tma,
         num_warps=up.num_warps,
         **launch.kwargs(x_TH.device),
         num_stages=up.num_stages,
@@ -285,6 +304,7 @@ def down_combine(
         h_MF = _pairs_aligned(h_MF)
     e, H, F_ = w2.shape
     values = w2.values
+    w_desc, w_tma = _weight_descriptor(w2, down, dot_scaled)
     scales = w2.scales if w2.scales is not None else values
     direct = K == 1 and down.split_k == 1
     if direct:
@@ -299,6 +319,7 @@ def down_combine(
     gemm2_weight_kernel[grid](
         h_MF,
         values,
+        w_desc,
         scales,
         b2_eH if b2_eH is not None else values,
         out,
@@ -329,6 +350,7 @@ def down_combine(
         QBN=w2.block[0] if w2.format == "fp8" else 1,  # only fp8 reads them: one compiled kernel otherwise
         QBK=w2.block[1] if w2.format == "fp8" else 1,
         MXFP4_DOT_SCALED=dot_scaled,
+        W_TMA=w_tma,
         num_warps=down.num_warps,
         **launch.kwargs(h_MF.device),
         num_stages=down.num_stages,

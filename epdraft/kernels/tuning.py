@@ -36,7 +36,10 @@ class GemmConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     split_k > 1 splits the reduction across programs; their fp32 partials are summed in split order.
     group_m is how many row blocks programs walk down one column tile before the next (0: all of
-    them, so an expert's blocks share its weight tile in L2; 1: along each row block).
+    them, so an expert's blocks share its weight tile in L2; 1: along each row block). weight_tma
+    copies each weight tile with one TMA instruction instead of a 16-byte load per thread (fewer
+    instructions in the main loop: what the quantized formats' upcast competes with), where the
+    weights allow it (`tl.dot_scaled`'s MXFP4 and misaligned weights keep the per-thread loads).
     """
 
     block_n: Pow2
@@ -45,6 +48,7 @@ class GemmConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     num_stages: Annotated[int, msgspec.Meta(ge=1, le=8)] = 3
     split_k: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
     group_m: Annotated[int, msgspec.Meta(ge=0)] = 0
+    weight_tma: bool = False
 
 
 class UpConfig(GemmConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -297,10 +301,11 @@ def fastest(candidates: list, time_us: Callable[[object], float]) -> tuple[objec
 
 
 def _best_order(config, time_us: Callable[[object], float], base_us: float):
-    """`config` with the fastest program order among group_m = 0 (its own) and `_GROUP_M`."""
+    """`config` with the fastest program order among group_m = 0 (its own) and `_GROUP_M`, then
+    with its weight tiles copied by TMA if that is faster."""
     best, best_us = config, base_us
-    for group_m in _GROUP_M:
-        cand = msgspec.structs.replace(config, group_m=group_m)
+    for change in [{"group_m": g} for g in _GROUP_M] + [{"weight_tma": True}]:
+        cand = msgspec.structs.replace(best if "weight_tma" in change else config, **change)
         us = time_us(cand)
         if us < best_us:
             best, best_us = cand, us
@@ -375,7 +380,7 @@ def tune(
 
     Returns the table keyed by row count M = T * top_k. Per block size, every candidate's tiles,
     warps, stages and split-K are compiled in parallel, then timed on random routing on the current
-    CUDA device; the best tiles then try the other program orders. Times are CUDA-graph replays
+    CUDA device; the best tiles then try the other program orders and TMA weight copies. Times are CUDA-graph replays
     (`graph_us`), as the forward runs in a server, so launch gaps and split-K's counter reset count
     as they will there. The fastest up + down pair over block sizes wins. `weights` fp8 | mxfp4
     tunes the quantized kernels on random weights quantized by `epdraft.loading.quant`

@@ -160,21 +160,26 @@ def test_non_contiguous_inputs():
     assert_matches(out, experts_reference(x.contiguous(), ids, weights, w13, w2, ActivationSpec()))
 
 
+@pytest.mark.parametrize("weight_tma", [False, True])
 @pytest.mark.parametrize("top_k", [1, 4])
 @pytest.mark.parametrize(
     "block_m,up_split,down_split,group_m",
     [(32, 1, 1, 0), (16, 2, 2, 1), (64, 4, 4, 4), (16, 8, 1, 3), (16, 3, 1, 0)],
 )
-def test_explicit_configs(top_k, block_m, up_split, down_split, group_m):
-    """Split-K in either GEMM (3 leaves a split without K tiles), program orders, K = 1 direct writes
-    and every block size give the same answer."""
+def test_explicit_configs(top_k, block_m, up_split, down_split, group_m, weight_tma):
+    """Split-K in either GEMM (3 leaves a split without K tiles), program orders, K = 1 direct writes,
+    every block size and TMA weight copies give the same answer. The TMA cases take 128-wide up
+    columns and down K tiles over F = 192: a gate tile's last columns read up rows, an up tile's and
+    the down GEMM's last K tile hang past the weights (read as zeros), and none of it is stored."""
     from epdraft.kernels.fused_moe import fused_experts_with_config
     from epdraft.kernels.tuning import DownConfig, MoeKernelConfig, UpConfig
 
     config = MoeKernelConfig(
         block_m=block_m,
-        up=UpConfig(block_n=64, block_k=32, num_warps=4, num_stages=3, split_k=up_split, group_m=group_m),
-        down=DownConfig(block_n=128, block_k=64, num_warps=4, num_stages=3, split_k=down_split, group_m=group_m),
+        up=UpConfig(block_n=128 if weight_tma else 64, block_k=32, num_warps=4, num_stages=3, split_k=up_split,
+                    group_m=group_m, weight_tma=weight_tma),
+        down=DownConfig(block_n=128, block_k=128 if weight_tma else 64, num_warps=4, num_stages=3,
+                        split_k=down_split, group_m=group_m, weight_tma=weight_tma),
     )
     w13, w2, b13, b2 = make_experts(8, torch.bfloat16, True)
     ids, weights = make_routing(257, 8, top_k)

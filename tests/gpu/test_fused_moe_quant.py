@@ -63,9 +63,11 @@ def test_quantized_experts_match_the_dequantized_reference(shape, fmt, upcast):
 
 
 @pytest.mark.parametrize("fmt, upcast", FORMATS)
-@pytest.mark.parametrize("up_split, down_split, block_m", [(1, 1, 16), (2, 4, 16), (1, 2, 64)])
-def test_quantized_split_k_bias_and_clamp(fmt, upcast, up_split, down_split, block_m):
-    """Split-K partials, expert biases, the swigluoai clamp and dropped (-1) pairs on quantized weights."""
+@pytest.mark.parametrize("up_split, down_split, block_m, weight_tma",
+                         [(1, 1, 16, False), (2, 4, 16, False), (1, 2, 64, False), (1, 1, 16, True), (2, 2, 32, True)])
+def test_quantized_split_k_bias_and_clamp(fmt, upcast, up_split, down_split, block_m, weight_tma):
+    """Split-K partials, expert biases, the swigluoai clamp and dropped (-1) pairs on quantized
+    weights, with per-thread and TMA weight loads (dot_scaled keeps per-thread loads)."""
     from epdraft.kernels.fused_moe import fused_experts_with_config
 
     E, I, H, K = 8, 512, 1024, 4
@@ -78,8 +80,8 @@ def test_quantized_split_k_bias_and_clamp(fmt, upcast, up_split, down_split, blo
     ids, weights = random_routing(300, E, K, torch.device("cuda"), gen)
     ids[::7, 1] = -1
     act = ActivationSpec(kind="swigluoai", limit=7.0)
-    config = MoeKernelConfig(block_m=block_m, up=UpConfig(block_n=64, block_k=128, split_k=up_split),
-                             down=DownConfig(block_n=64, block_k=64, split_k=down_split))
+    config = MoeKernelConfig(block_m=block_m, up=UpConfig(block_n=64, block_k=128, split_k=up_split, weight_tma=weight_tma),
+                             down=DownConfig(block_n=64, block_k=64, split_k=down_split, weight_tma=weight_tma))
     out = fused_experts_with_config(x, ids, weights, w13, w2, act, b13, b2, config, upcast)
     ref = experts_reference(x, ids, weights, w13.dequantized(torch.bfloat16), w2.dequantized(torch.bfloat16), act,
                             b13, b2)

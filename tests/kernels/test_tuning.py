@@ -118,6 +118,22 @@ def test_old_tables_read_with_defaults():
     raw = b'{"16": {"block_m": 16, "up": {"block_n": 64, "block_k": 128}, "down": {"block_n": 64, "block_k": 64}}}'
     table = msgspec.json.decode(raw, type=dict[int, MoeKernelConfig])
     assert table[16].up.split_k == 1 and table[16].up.group_m == 0 and table[16].down.group_m == 0
+    assert not table[16].up.weight_tma and not table[16].down.weight_tma
+
+
+def test_best_order_tries_program_orders_then_tma_on_the_best():
+    """The tuner's last step: group_m from the tiles' own config, then TMA weight copies on the fastest of those."""
+    base = tuning.UpConfig(block_n=64, block_k=128)
+    times = {(0, False): 10.0, (1, False): 9.0, (4, False): 9.5, (1, True): 8.0, (0, True): 7.0}
+    timed = []
+
+    def time_us(c):
+        timed.append((c.group_m, c.weight_tma))
+        return times[(c.group_m, c.weight_tma)]
+
+    best, us = tuning._best_order(base, time_us, 10.0)
+    assert timed == [(1, False), (4, False), (1, True)]
+    assert (best.group_m, best.weight_tma, us) == (1, True, 8.0)
 
 
 def test_quantized_tables_are_their_own_and_fall_back_to_the_bf16_table(tmp_path, caplog):
