@@ -19,8 +19,9 @@ from epdraft.kernels.align import next_pow2
 from epdraft.kernels.step_ops import merge_attention_splits
 
 _BLOCK_S = 64
+_NUM_WARPS, _NUM_STAGES = 4, 3  # Triton's defaults (tools/attention_tune.py measures others)
 _MIN_SPLIT_KEYS = 256
-_TARGET_PROGRAMS = 264  # two per H200 SM: enough splits that a small batch still fills the GPU
+_TARGET_PROGRAMS = 264  # two per H200 SM: one wave of key splits that a small batch still fills the GPU with
 
 
 def _check(q_NhBD, k_PgSD, v_PgSD, slots_N, kv_lens_N) -> None:
@@ -84,10 +85,12 @@ def sliding_block_attention(
 
 
 def num_splits_for(num_requests: int, num_kv_heads: int, capacity: int) -> int:
-    """Key splits per (request, KV head): enough programs to fill the GPU, none shorter than
-    _MIN_SPLIT_KEYS (each split writes a [rows, D] fp32 partial that the merge reads back: at a
-    short context, many splits move more partial bytes than K/V bytes)."""
-    wanted = math.ceil(_TARGET_PROGRAMS / max(1, num_requests * num_kv_heads))
+    """Key splits per (request, KV head): as many as keep the grid within _TARGET_PROGRAMS (one
+    wave of two programs per SM: rounding up put 320 programs in a 264-slot wave at 8 requests x
+    8 KV heads, and the straggling 56 cost 20 % at an 8k context, docs/performance.md), none
+    shorter than _MIN_SPLIT_KEYS (each split writes a [rows, D] fp32 partial that the merge reads
+    back: at a short context, many splits move more partial bytes than K/V bytes)."""
+    wanted = max(1, _TARGET_PROGRAMS // max(1, num_requests * num_kv_heads))
     return max(1, min(wanted, math.ceil(capacity / _MIN_SPLIT_KEYS)))
 
 
@@ -135,7 +138,7 @@ def _launch(q_NhBD, k_NgSD, v_NgSD, slots_N, kv_lens_N) -> torch.Tensor:
             chunk,
             G=G, B=B, D=D, ROWS=rows, BLOCK_S=_BLOCK_S, BLOCK_D=max(16, next_pow2(D)),
             PRECISION="ieee" if q_NhBD.dtype == torch.float32 else "tf32",  # fp32 means fp32, not TF32
-            **launch.kwargs(q_NhBD.device),
+            num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **launch.kwargs(q_NhBD.device),
         )  # fmt: skip
     # [N, B, h, D] memory, returned as its [N, h, B, D] view: the o_proj reads it without a copy
     out_NBhD = q_NhBD.new_empty(N, B, h, D)

@@ -1,0 +1,83 @@
+"""Time the draft step's block attention (split launch + merge) on the GPU over launch configs:
+key-tile size, warps, pipeline stages and the programs the key splits aim at, per (requests,
+context), at the issue-13 preset's heads (32 query / 8 KV heads, D 128, block 16, bf16).
+
+    python tools/attention_tune.py [--requests 1,8,32,64] [--context 1024,8192]
+
+Each timing is a CUDA graph of 8-16 calls cycling over pools larger than the L2 (so K/V come from
+HBM), replayed 20 times; the median replay / calls is one call. Prints the shipped config's time, the
+best config's, and the K/V bytes' floor at 4.3 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+
+import torch
+
+from epdraft.kernels import attention
+
+HBM = 4.3e12
+H, G_KV, B, D = 32, 8, 16, 128
+
+
+def _graph_us(fn, calls: int) -> float:
+    fn(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--requests", default="1,8,32,64")
+    p.add_argument("--context", default="1024,8192")
+    args = p.parse_args()
+    shipped = (attention._BLOCK_S, attention._NUM_WARPS, attention._NUM_STAGES, attention._TARGET_PROGRAMS)
+    configs = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (264, 396, 528)))
+    print(f"{'N':>4}{'context':>8}{'floor us':>10}{'shipped':>9}{'best':>9}  best (BLOCK_S, warps, stages, programs)")
+    for N, ctx in itertools.product([int(n) for n in args.requests.split(",")], [int(c) for c in args.context.split(",")]):
+        S = ctx + B
+        kv_bytes = N * G_KV * S * D * 2 * 2
+        copies = max(1, -(-200_000_000 // kv_bytes))  # > L2 in all
+        pools = [(torch.randn(N, G_KV, S, D, device="cuda").bfloat16(), torch.randn(N, G_KV, S, D, device="cuda").bfloat16())
+                 for _ in range(min(copies, 16))]  # fmt: skip
+        q = torch.randn(N, H, B, D, device="cuda").bfloat16()
+        slots = torch.arange(N, device="cuda", dtype=torch.int32)
+        lens = torch.full((N,), S, device="cuda", dtype=torch.int32)
+        ref = attention.block_attention_reference(q, *pools[0], slots, lens)
+
+        def timed(cfg) -> float:
+            attention._BLOCK_S, attention._NUM_WARPS, attention._NUM_STAGES, attention._TARGET_PROGRAMS = cfg
+            try:
+                out = attention.block_attention(q, *pools[0], slots, lens)
+            except Exception as e:  # a config past the shared memory: not a candidate
+                if "out of resource" not in str(e):
+                    raise
+                return float("inf")
+            torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+            return _graph_us(lambda i: attention.block_attention(q, *pools[i % len(pools)], slots, lens), max(8, len(pools)))
+
+        base = timed(shipped)
+        best = min(((timed(c), c) for c in configs), key=lambda t: t[0])
+        attention._BLOCK_S, attention._NUM_WARPS, attention._NUM_STAGES, attention._TARGET_PROGRAMS = shipped
+        print(f"{N:>4}{ctx:>8}{kv_bytes / HBM * 1e6:>10.1f}{base:>9.1f}{best[0]:>9.1f}  {best[1]}", flush=True)
+        del pools
+
+
+if __name__ == "__main__":
+    main()
