@@ -13,32 +13,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
-
 import torch
 
 from epdraft.kernels import attention
+from epdraft.kernels.tuning import calls_us
 
 HBM = 4.3e12
 H, G_KV, B, D = 32, 8, 16, 128
-
-
-def _graph_us(fn, calls: int) -> float:
-    fn(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 @torch.no_grad()
@@ -70,13 +51,13 @@ def main() -> None:
                     raise
                 return float("inf")
             torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
-            return _graph_us(lambda i: attention.block_attention(q, *pools[i % len(pools)], slots, lens), max(8, len(pools)))
+            calls = max(8, len(pools))
+            return calls_us(lambda i: attention.block_attention(q, *pools[i % len(pools)], slots, lens), calls)
 
         base = timed(shipped)
         best = min(((timed(c), c) for c in configs), key=lambda t: t[0])
         attention._BLOCK_S, attention._NUM_WARPS, attention._NUM_STAGES, attention._TARGET_PROGRAMS = shipped
         print(f"{N:>4}{ctx:>8}{kv_bytes / HBM * 1e6:>10.1f}{base:>9.1f}{best[0]:>9.1f}  {best[1]}", flush=True)
-        del pools
 
 
 if __name__ == "__main__":

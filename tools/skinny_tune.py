@@ -19,12 +19,12 @@ import argparse
 import contextlib
 import itertools
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 from epdraft.kernels import launch, skinny
+from epdraft.kernels.tuning import calls_us
 
 HBM = 4.3e12
 COPIES, CALLS = 4, 24
@@ -37,26 +37,15 @@ SHAPES = [
 
 
 def _graph_us(fn) -> float:
+    """One call's µs (`calls_us` over CALLS calls cycling COPIES weights); inf for a config past the
+    shared memory (not a candidate)."""
     try:
         fn(0)
-    except Exception as e:  # a config past the shared memory: not a candidate
+    except Exception as e:
         if "out of resource" not in str(e):
             raise
         return float("inf")
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(CALLS):
-            fn(i % COPIES)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(times)
+    return calls_us(lambda i: fn(i % COPIES), CALLS)
 
 
 @torch.no_grad()

@@ -285,6 +285,7 @@ def gemm1_act_kernel(
     converted to bf16 right after their load and scaled (`_dot_quantized`); K must be even.
     MXFP4_DOT_SCALED: MXFP4 through `tl.dot_scaled`; else the bits path (`_dot_mxfp4_bits`), which
     reads x's K-column pairs as int32 (x contiguous along H, stride_xt even, 4-byte aligned).
+    W_TMA: weight tiles copied through `w_desc` (`_w_tile`); else `w_desc` is unused.
 
     With SPLIT_K > 1 each program sums one slice of H into fp32 partials (`part_ptr`, gate then up
     columns); the tile's last program to arrive (counted in `arrived_ptr`, left zeroed) adds the
@@ -423,7 +424,7 @@ def gemm2_weight_kernel(
 
     Split-K gives short down GEMMs (few rows, K = F) enough programs to cover the SMs; the
     partial sums are added in a fixed order by `topk_sum_kernel`, so the result is deterministic.
-    W_FMT, QBN, QBK, MXFP4_DOT_SCALED: as in `gemm1_act_kernel`, for W_down `[e, H, F]` (h's pairs as int32).
+    W_FMT, QBN, QBK, MXFP4_DOT_SCALED, W_TMA: as in `gemm1_act_kernel`, for W_down `[e, H, F]` (h's pairs as int32).
     """
     enter(PDL)
     pid_m, pid_n, pid_k = _tile(tl.program_id(0), num_blocks, tl.cdiv(H, BLOCK_N), group_m, SPLIT_K)

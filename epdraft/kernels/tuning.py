@@ -341,6 +341,29 @@ def graph_us(fn: Callable[[], object], rep_ms: int = 50) -> float:
     return do_bench(graph.replay, warmup=10, rep=rep_ms, return_mode="median") * 1e3
 
 
+def calls_us(fn: Callable[[int], object], calls: int, replays: int = 20) -> float:
+    """Median µs of one call among `calls` back-to-back calls `fn(0) ... fn(calls - 1)` captured in
+    one CUDA graph (no launch gaps, no L2 flush: callers cycle `i` over inputs larger than the L2, so
+    each call reads from HBM as in a step). `fn(0)` runs eagerly first, so compilation stays out."""
+    import statistics
+
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
 def random_routing(num_tokens: int, num_experts: int, top_k: int, device: torch.device, generator=None):
     """Distinct uniformly random experts per token and softmax weights: (ids_TK int64, weights_TK fp32)."""
     scores = torch.rand(num_tokens, num_experts, device=device, generator=generator)
