@@ -37,9 +37,9 @@ class GemmConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     split_k > 1 splits the reduction across programs; their fp32 partials are summed in split order.
     group_m is how many row blocks programs walk down one column tile before the next (0: all of
     them, so an expert's blocks share its weight tile in L2; 1: along each row block). weight_tma
-    copies each weight tile with one TMA instruction instead of a 16-byte load per thread (fewer
-    instructions in the main loop: what the quantized formats' upcast competes with), where the
-    weights allow it (`tl.dot_scaled`'s MXFP4 and misaligned weights keep the per-thread loads).
+    copies each weight tile with one TMA instruction instead of a 16-byte load per thread (a third
+    fewer instructions in the bf16 main loops; on the H200 mostly within 3 % of the per-thread
+    loads, docs/performance.md), where the weights allow it (`tl.dot_scaled`'s MXFP4 and misaligned weights keep the per-thread loads).
     """
 
     block_n: Pow2
@@ -304,12 +304,13 @@ def _best_order(config, time_us: Callable[[object], float], base_us: float):
     """`config` with the fastest program order among group_m = 0 (its own) and `_GROUP_M`, then
     with its weight tiles copied by TMA if that is faster."""
     best, best_us = config, base_us
-    for change in [{"group_m": g} for g in _GROUP_M] + [{"weight_tma": True}]:
-        cand = msgspec.structs.replace(best if "weight_tma" in change else config, **change)
+    for cand in [msgspec.structs.replace(config, group_m=g) for g in _GROUP_M]:
         us = time_us(cand)
         if us < best_us:
             best, best_us = cand, us
-    return best, best_us
+    tma = msgspec.structs.replace(best, weight_tma=True)
+    tma_us = time_us(tma)
+    return (tma, tma_us) if tma_us < best_us else (best, best_us)
 
 
 def _search(run: Callable[[object], object], candidates: list) -> tuple[object, float]:
