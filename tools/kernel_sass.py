@@ -47,7 +47,9 @@ DOWN = dict(HAS_BIAS=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=128, BLO
 FP8 = dict(W_FMT=1, QBN=128, QBK=128)
 MXFP4 = dict(W_FMT=2, MXFP4_DOT_SCALED=True)  # through tl.dot_scaled (issue 15's first path)
 BITS = dict(W_FMT=2, MXFP4_DOT_SCALED=False)  # the bits path (epdraft.kernels.e2m1)
-QUANT_POINTERS = {1: {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, 2: {"w_ptr": "*u8", "s_ptr": "*u8"}}
+SHIFT = dict(W_FMT=3, MXFP4_DOT_SCALED=False)  # the bits path on shift-packed bytes (no tables)
+QUANT_POINTERS = {1: {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, 2: {"w_ptr": "*u8", "s_ptr": "*u8"},
+                  3: {"w_ptr": "*u8", "s_ptr": "*u8"}}
 # (name, kernel, constexprs, num_warps, num_stages, dtype of out_ptr); quantized cases last (new in issue 15)
 CASES = [
     ("up", kernels.gemm1_act_kernel, UP, 4, 4, "*bf16"),
@@ -67,6 +69,10 @@ CASES = [
     ("up mxfp4 bits split 2, 64x64", kernels.gemm1_act_kernel,
      {**UP, **BITS, "SPLIT_K": 2, "BLOCK_M": 64, "BLOCK_N": 64}, 4, 3, "*bf16"),
     ("down mxfp4 bits", kernels.gemm2_weight_kernel, {**DOWN, **BITS}, 4, 4, "*bf16"),
+    ("up mxfp4 bits 64x64", kernels.gemm1_act_kernel, {**UP, **BITS, "BLOCK_M": 64, "BLOCK_N": 64}, 4, 4, "*bf16"),
+    ("up mxfp4 shift", kernels.gemm1_act_kernel, {**UP, **SHIFT}, 4, 4, "*bf16"),
+    ("up mxfp4 shift 64x64", kernels.gemm1_act_kernel, {**UP, **SHIFT, "BLOCK_M": 64, "BLOCK_N": 64}, 4, 4, "*bf16"),
+    ("down mxfp4 shift", kernels.gemm2_weight_kernel, {**DOWN, **SHIFT}, 4, 4, "*bf16"),
     ("up tma", kernels.gemm1_act_kernel, {**UP, "W_TMA": True}, 4, 4, "*bf16"),
     ("down tma", kernels.gemm2_weight_kernel, {**DOWN, "W_TMA": True}, 4, 4, "*bf16"),
     ("up fp8 tma", kernels.gemm1_act_kernel, {**UP, **FP8, "W_TMA": True}, 4, 4, "*bf16"),
@@ -109,8 +115,8 @@ def sass(fn, constexprs: dict, num_warps: int, num_stages: int, out_type: str) -
 def _descriptor(constexprs: dict) -> str:
     """The weight TMA descriptor's type: [1, BLOCK_N, BLOCK_K stored elements] of the format's dtype."""
     fmt = constexprs["W_FMT"]
-    dtype = {0: "bf16", 1: "fp8e4nv", 2: "u8"}[fmt]
-    cols = constexprs["BLOCK_K"] // (2 if fmt == 2 else 1)
+    dtype = {0: "bf16", 1: "fp8e4nv", 2: "u8", 3: "u8"}[fmt]
+    cols = constexprs["BLOCK_K"] // (2 if fmt >= 2 else 1)
     return f"tensordesc<{dtype}[1,{constexprs['BLOCK_N']},{cols}]>"
 
 

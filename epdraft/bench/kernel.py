@@ -6,7 +6,8 @@ bytes count each format's stored values and scales, `x bf16` is the bf16 row's t
 and the error is against `experts_reference` on the format's dequantized weights. grouped_mm and
 the reference loop are timed for bf16 rows only. MXFP4 runs through the kernels' default upcast
 (`epdraft.kernels.fused_moe.MXFP4_UPCAST`); `mxfp4-bits` and `mxfp4-dot-scaled` name one upcast
-each, so `--weights bf16,mxfp4-bits,mxfp4-dot-scaled` times both on the same weights.
+each, so `--weights bf16,mxfp4-bits,mxfp4-dot-scaled` times both on the same weights; `mxfp4-shift`
+is the bits upcast on the same weights shift-packed (`ExpertWeights.shift_packed`: no tables).
 
 Every path runs on the same random routing; the fused and grouped_mm paths are timed as CUDA-graph
 replays (median of `triton.testing.do_bench`), the reference loop eagerly (it synchronizes with the
@@ -58,14 +59,16 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
 
 ROOFLINE_BYTES_PER_S = 4.3e12
 
-VARIANTS: dict[str, tuple[str, str]] = {
-    "bf16": ("bf16", MXFP4_UPCAST),
-    "fp8": ("fp8", MXFP4_UPCAST),
-    "mxfp4": ("mxfp4", MXFP4_UPCAST),
-    "mxfp4-bits": ("mxfp4", "bits"),
-    "mxfp4-dot-scaled": ("mxfp4", "dot_scaled"),
+VARIANTS: dict[str, tuple[str, str, str]] = {
+    "bf16": ("bf16", MXFP4_UPCAST, "nibbles"),
+    "fp8": ("fp8", MXFP4_UPCAST, "nibbles"),
+    "mxfp4": ("mxfp4", MXFP4_UPCAST, "nibbles"),
+    "mxfp4-bits": ("mxfp4", "bits", "nibbles"),
+    "mxfp4-shift": ("mxfp4", "bits", "shift"),
+    "mxfp4-dot-scaled": ("mxfp4", "dot_scaled", "nibbles"),
 }
-"""`--weights` name -> (weight format, the kernels' mxfp4_upcast; only MXFP4 reads it)."""
+"""`--weights` name -> (weight format, the kernels' mxfp4_upcast, MXFP4's byte packing; only MXFP4
+reads the last two: "shift" is `ExpertWeights.shift_packed`, the bits upcast's table-free decode)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--weights", default="bf16",
                         help="comma list of weight formats: bf16, fp8, mxfp4 (the default upcast, "
-                             f"{MXFP4_UPCAST}), mxfp4-bits, mxfp4-dot-scaled (one MXFP4 upcast each)")
+                             f"{MXFP4_UPCAST}), mxfp4-bits, mxfp4-shift, mxfp4-dot-scaled (one MXFP4 upcast each)")
     parser.add_argument("--tune-weights", default="", help="formats --tune tunes (default: those of --weights; "
                         "at most one MXFP4 name: the tuned table is per format)")
     parser.add_argument("--json", type=Path, default=None, help="append one JSON line per (shape, T) here")
@@ -173,7 +176,7 @@ def _bench_one(name: str, num_tokens: int, weights: tuple[ExpertWeights, ExpertW
         "T": num_tokens,
         "dtype": str(dtype).removeprefix("torch."),
         "weights": fmt,
-        **({"mxfp4_upcast": upcast} if fmt == "mxfp4" else {}),
+        **({"mxfp4_upcast": upcast, "mxfp4_packing": w13.packing} if fmt == "mxfp4" else {}),
         "config": msgspec.to_builtins(config),
         "fused_us": fused_us,
         "align_us": align_us,
@@ -189,8 +192,9 @@ def _bench_one(name: str, num_tokens: int, weights: tuple[ExpertWeights, ExpertW
 
 
 def _print_row(row: dict, bf16_us: float | None) -> None:
-    weights = row["weights"] + ({"bits": "-bits", "dot_scaled": "-dot-scaled"}[row["mxfp4_upcast"]]
-                                if "mxfp4_upcast" in row else "")
+    upcast = "shift" if row.get("mxfp4_packing") == "shift" else row.get("mxfp4_upcast")
+    weights = row["weights"] + ({"bits": "-bits", "shift": "-shift", "dot_scaled": "-dot-scaled"}[upcast]
+                                if upcast else "")
     gmm = f"{row['grouped_mm_us']:>8.1f}" if "grouped_mm_us" in row else f"{'-':>8}"
     ref = f"{row['reference_us']:>9.1f}" if "reference_us" in row else f"{'-':>9}"
     vs = f"{bf16_us / row['fused_us']:>6.2f}" if bf16_us is not None else f"{'-':>6}"
@@ -215,13 +219,13 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("--weights fp8/mxfp4 need --dtype bf16 (bf16 activations)")
     device_name = torch.cuda.get_device_name()
     tuned = [VARIANTS[v] for v in _parse_formats(args.tune_weights or args.weights)] if args.tune else []
-    if [fmt for fmt, _ in tuned].count("mxfp4") > 1:
-        raise ConfigError("--tune-weights: name one MXFP4 upcast (mxfp4, mxfp4-bits or mxfp4-dot-scaled); "
+    if [fmt for fmt, _, _ in tuned].count("mxfp4") > 1:
+        raise ConfigError("--tune-weights: name one MXFP4 upcast (mxfp4, mxfp4-bits, mxfp4-shift or mxfp4-dot-scaled); "
                           "the tuned table is one per format")
     for name in _parse_shapes(args.tune):
         E, I, H, K = SHAPES[name]
-        for fmt, upcast in tuned:
-            table = tune(E, I, H, K, dtype, tokens, fmt, upcast)
+        for fmt, upcast, packing in tuned:
+            table = tune(E, I, H, K, dtype, tokens, fmt, upcast, packing)
             path = args.config_dir / config_file_name(E, 2 * I, H, dtype, device_name, fmt)
             save_table(table, path)
             log.info("tuned shape %s (%s weights) -> %s", name, fmt, path)
@@ -244,11 +248,13 @@ def main(args: argparse.Namespace) -> int:
         stored = {fmt: (quantize_weights(w13, fmt), quantize_weights(w2, fmt)) for fmt in formats}
         del w13, w2
         for variant in variants:
-            fmt, upcast = VARIANTS[variant]
+            fmt, upcast, packing = VARIANTS[variant]
             q13, q2 = stored[fmt]
             reference = None if fmt == "bf16" else (q13.dequantized(dtype), q2.dequantized(dtype))
+            if packing == "shift":
+                q13, q2 = q13.shift_packed(), q2.shift_packed()
             for num_tokens in tokens:
-                row = {**meta, **_bench_one(name, num_tokens, stored[fmt], dtype, args.config_dir, reference, upcast)}
+                row = {**meta, **_bench_one(name, num_tokens, (q13, q2), dtype, args.config_dir, reference, upcast)}
                 rows.append(row)
                 if args.json is not None:  # row by row: a run cut short keeps what it measured
                     with args.json.open("a") as f:

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from epdraft.kernels._launch_triton import enter
-from epdraft.kernels.e2m1 import E2M1_CONSTRAINTS, E2M1_HI_PTX, E2M1_LO_PTX
+from epdraft.kernels.e2m1 import E2M1_CONSTRAINTS, E2M1_HI_PTX, E2M1_LO_PTX, SHIFT_HI_PTX, SHIFT_LO_PTX
 
 ACT_SWIGLU = 0
 ACT_SWIGLUOAI = 1
@@ -162,6 +162,8 @@ def _k_slice(pid_k, K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
 _E2M1_LO_PTX = tl.constexpr(E2M1_LO_PTX)
 _E2M1_HI_PTX = tl.constexpr(E2M1_HI_PTX)
 _E2M1_CONSTRAINTS = tl.constexpr(E2M1_CONSTRAINTS)
+_SHIFT_LO_PTX = tl.constexpr(SHIFT_LO_PTX)
+_SHIFT_HI_PTX = tl.constexpr(SHIFT_HI_PTX)
 
 
 @triton.jit
@@ -173,37 +175,46 @@ def _even_odd(a_pairs):
 
 
 @triton.jit
-def _e8m0_to_bf16(e):
-    """uint8 e8m0 exponents -> bf16 2**(e - 127) (e << 7 as bits: 0 for e = 0, +inf for e = 255)."""
+def _e8m0_to_bf16(e, SHIFT: tl.constexpr = False):
+    """uint8 e8m0 exponents -> the bf16 scale operand: 2**(e - 127) (e << 7 as bits: 0 for e = 0, +inf
+    for e = 255); with SHIFT, the shift decode's 2**(e - 1) ((e + 126) << 7, e <= 128)."""
+    if SHIFT:
+        return ((e.to(tl.int16) + 126) << 7).to(tl.bfloat16, bitcast=True)
     return (e.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
-def _e2m1_to_bf16(w):
+def _e2m1_to_bf16(w, SHIFT: tl.constexpr = False):
     """uint8 bytes of two e2m1 codes -> (their low nibbles, their high nibbles) as unscaled bf16, same shape.
 
-    `epdraft.kernels.e2m1` says how. Keep the bytes' `tl.load` right before this call: Triton then
-    loads them straight into the dot operand's register layout (see E2M1_LO_PTX).
+    `epdraft.kernels.e2m1` says how: table lookups on checkpoint-order bytes, or with SHIFT the
+    shift decode of `shift_pack`ed bytes (values times 2**-126). Keep the bytes' `tl.load` right
+    before this call: Triton then loads them straight into the dot operand's register layout (see
+    E2M1_LO_PTX), whose four bytes a register holds are one aligned 32-bit word of the tile.
     """
-    lo = tl.inline_asm_elementwise(_E2M1_LO_PTX, _E2M1_CONSTRAINTS, [w], dtype=tl.bfloat16, is_pure=True, pack=4)
-    hi = tl.inline_asm_elementwise(_E2M1_HI_PTX, _E2M1_CONSTRAINTS, [w], dtype=tl.bfloat16, is_pure=True, pack=4)
+    if SHIFT:
+        lo = tl.inline_asm_elementwise(_SHIFT_LO_PTX, _E2M1_CONSTRAINTS, [w], dtype=tl.bfloat16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_SHIFT_HI_PTX, _E2M1_CONSTRAINTS, [w], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        lo = tl.inline_asm_elementwise(_E2M1_LO_PTX, _E2M1_CONSTRAINTS, [w], dtype=tl.bfloat16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_E2M1_HI_PTX, _E2M1_CONSTRAINTS, [w], dtype=tl.bfloat16, is_pure=True, pack=4)
     return lo, hi
 
 
 @triton.jit
 def _dot_mxfp4_bits(a_even, a_odd, acc, w_ptr, w_desc, s_ptr, expert, rows, n_first, k0, stride_we, stride_wn,
-                    stride_se, stride_sn, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr):
+                    stride_se, stride_sn, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr, SHIFT: tl.constexpr):
     """acc + a @ W[rows, k0 : k0 + BLOCK_K]^T for MXFP4 rows `rows` (int64) of `expert`, a given as its
     even and odd K columns [BLOCK_M, BLOCK_K / 2]: each byte's low nibble is an even column's weight,
     its high nibble the next odd one's, so the two bf16 tiles (`_e2m1_to_bf16`, times the group's
     scale as bf16) multiply a_even and a_odd apart: no weight tile is interleaved.
     """
     offs_s = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    scale = _e8m0_to_bf16(tl.load(s_ptr + expert * stride_se + rows[None, :] * stride_sn + offs_s[:, None]))
+    scale = _e8m0_to_bf16(tl.load(s_ptr + expert * stride_se + rows[None, :] * stride_sn + offs_s[:, None]), SHIFT)
     scale = tl.reshape(tl.broadcast_to(scale[:, None, :], [BLOCK_K // 32, 16, rows.shape[0]]),
                        [BLOCK_K // 2, rows.shape[0]])  # [K/2, N]: one scale per 16 bytes along K
     w = _w_tile(w_ptr, w_desc, expert, rows, n_first, k0 // 2, stride_we, stride_wn, BLOCK_K // 2, W_TMA)  # [K/2, N] u8
-    lo, hi = _e2m1_to_bf16(w)
+    lo, hi = _e2m1_to_bf16(w, SHIFT)
     acc = tl.dot(a_even, lo * scale, acc)
     return tl.dot(a_odd, hi * scale, acc)
 
@@ -281,7 +292,8 @@ def gemm1_act_kernel(
 
     W_FMT: 0 = weights in x's dtype; 1 = FP8 e4m3 with fp32 scales per (QBN x QBK) block in `s_ptr`
     (`[e, ceil(2F/QBN), ceil(H/QBK)]`, QBK a multiple of BLOCK_K); 2 = MXFP4, `w_ptr` the packed
-    bytes `[e, 2F, H/2]` and `s_ptr` the e8m0 scales `[e, 2F, H/32]`. Quantized tiles are
+    bytes `[e, 2F, H/2]` and `s_ptr` the e8m0 scales `[e, 2F, H/32]`; 3 = MXFP4 with its bytes
+    `shift_pack`ed (`epdraft.kernels.e2m1`; the bits path only, every scale <= 128). Quantized tiles are
     converted to bf16 right after their load and scaled (`_dot_quantized`); K must be even.
     MXFP4_DOT_SCALED: MXFP4 through `tl.dot_scaled`; else the bits path (`_dot_mxfp4_bits`), which
     reads x's K-column pairs as int32 (x contiguous along H, stride_xt even, 4-byte aligned).
@@ -336,14 +348,14 @@ def gemm1_act_kernel(
         a_pairs_ptrs = (x_ptr.to(tl.pointer_type(tl.int32)) + token[:, None] * (stride_xt // 2)
                         + (k_first // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
         for k in range(0, k_tiles):
-            if W_FMT == 2 and not MXFP4_DOT_SCALED:
+            if W_FMT >= 2 and not MXFP4_DOT_SCALED:
                 a_even, a_odd = _even_odd(tl.load(a_pairs_ptrs + k * (BLOCK_K // 2), mask=valid[:, None], other=0))
                 acc_g = _dot_mxfp4_bits(a_even, a_odd, acc_g, w_ptr, w_desc, s_ptr, expert, w_rows, pid_n * BLOCK_N,
                                         k_first + k * BLOCK_K, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K,
-                                        W_TMA)
+                                        W_TMA, W_FMT == 3)
                 acc_u = _dot_mxfp4_bits(a_even, a_odd, acc_u, w_ptr, w_desc, s_ptr, expert, w_rows + F,
                                         F + pid_n * BLOCK_N, k_first + k * BLOCK_K, stride_we, stride_wn, stride_se,
-                                        stride_sn, BLOCK_K, W_TMA)
+                                        stride_sn, BLOCK_K, W_TMA, W_FMT == 3)
             else:
                 a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
                 acc_g = _dot_quantized(a, acc_g, w_ptr, w_desc, s_ptr, expert, w_rows, pid_n * BLOCK_N,
@@ -461,10 +473,11 @@ def gemm2_weight_kernel(
         a_pairs_ptrs = (h_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None].to(tl.int64) * (stride_hm // 2)
                         + (k_first // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
         for k in range(0, k_tiles):
-            if W_FMT == 2 and not MXFP4_DOT_SCALED:
+            if W_FMT >= 2 and not MXFP4_DOT_SCALED:
                 a_even, a_odd = _even_odd(tl.load(a_pairs_ptrs + k * (BLOCK_K // 2)))
                 acc = _dot_mxfp4_bits(a_even, a_odd, acc, w_ptr, w_desc, s_ptr, expert, w_rows, pid_n * BLOCK_N,
-                                      k_first + k * BLOCK_K, stride_we, stride_wh, stride_se, stride_sh, BLOCK_K, W_TMA)
+                                      k_first + k * BLOCK_K, stride_we, stride_wh, stride_se, stride_sh, BLOCK_K, W_TMA,
+                                      W_FMT == 3)
             else:
                 a = tl.load(a_ptrs)
                 acc = _dot_quantized(a, acc, w_ptr, w_desc, s_ptr, expert, w_rows, pid_n * BLOCK_N,

@@ -106,3 +106,107 @@ def dequantize_mxfp4_bits(blocks: torch.Tensor, scales: torch.Tensor) -> torch.T
     """
     codes = torch.stack((blocks & 0xF, blocks >> 4), dim=-1).flatten(-2)  # [..., N, G, 32] in element order
     return (e2m1_bits_to_bf16(codes) * e8m0_to_bf16_scale(scales).unsqueeze(-1)).flatten(-2)
+
+
+# The shift decode: no tables. A code's three magnitude bits placed at bf16 bits 6-8 (the exponent's
+# low two bits and the mantissa's top bit) read as the code's value times 2**-126 exactly (0.5 a
+# subnormal), its sign at bit 15; the scale multiply is then by 2**(e - 1) instead of 2**(e - 127).
+# For that to cost one shift and one mask per bf16 pair, the weights are stored with each 32-bit word's
+# bits permuted at load (`shift_pack`): the pair (L0, L1) of the word's first two low nibbles sits
+# under the mask 0x81C081C0 (bits 6-8 and 15, 22-24 and 31), (L2, L3) three bits lower, (H0, H1) of
+# the high nibbles six bits lower, and (H2, H3) in the eight bits left, gathered by three shifts.
+SHIFT_MAX_SCALE = 128
+"""The largest e8m0 exponent the shift decode takes: its scale operand 2**(e - 1) must be a finite bf16."""
+
+_SHIFT_CODE_BITS = {  # code (nibble of the checkpoint word: L_i = byte i's low nibble) -> its bits'
+    # positions in the shift-packed word: magnitude bits 0, 1, 2, then the sign
+    "L0": (6, 7, 8, 15), "L1": (22, 23, 24, 31), "L2": (3, 4, 5, 12), "L3": (19, 20, 21, 28),
+    "H0": (0, 1, 2, 9), "H1": (16, 17, 18, 25), "H2": (10, 11, 13, 14), "H3": (26, 27, 29, 30),
+}  # fmt: skip
+SHIFT_BIT_MAP = tuple(
+    _SHIFT_CODE_BITS[f"{'LH'[b % 8 // 4]}{b // 8}"][b % 4] for b in range(32)
+)
+"""SHIFT_BIT_MAP[b]: where bit b of a checkpoint word (4 packed bytes, byte 0 lowest) goes in the
+shift-packed word."""
+
+SHIFT_LO_PTX = """
+{
+.reg .b32 t;
+and.b32 $0, $2, 0x81C081C0;
+shl.b32 t, $2, 3;
+and.b32 $1, t, 0x81C081C0;
+}
+"""
+"""Four shift-packed bytes -> the bf16 values of their low nibbles times 2**-126 (`E2M1_LO_PTX`'s
+operands and order): (L0, L1) under the mask, (L2, L3) three bits up."""
+SHIFT_HI_PTX = """
+{
+.reg .b32 t, t4, t5, t1;
+shl.b32 t, $2, 6;
+and.b32 $0, t, 0x81C081C0;
+shr.u32 t4, $2, 4;
+shr.u32 t5, $2, 5;
+shl.b32 t1, $2, 1;
+and.b32 $1, t4, 0x00C000C0;
+lop3.b32 $1, t5, $1, 0x01000100, 0xEC;
+lop3.b32 $1, t1, $1, 0x80008000, 0xEC;
+}
+"""
+"""The same for the high nibbles: (H0, H1) six bits up; (H2, H3) from bits 10, 11 (>> 4), 13 (>> 5)
+and 14 (<< 1) and the same sixteen higher; lop3 0xEC is (a & c) | b."""
+
+
+def _permute_bits(words: torch.Tensor, bit_map: tuple[int, ...]) -> torch.Tensor:
+    """int64 words (32 bits used) with bit b moved to bit_map[b], bits that move alike moved together."""
+    out = torch.zeros_like(words)
+    moves: dict[int, int] = {}
+    for b, to in enumerate(bit_map):
+        moves[to - b] = moves.get(to - b, 0) | (1 << b)
+    for delta, mask in moves.items():
+        part = words & mask
+        out |= part << delta if delta >= 0 else part >> -delta
+    return out
+
+
+def _repack(values: torch.Tensor, bit_map: tuple[int, ...]) -> torch.Tensor:
+    if values.dtype != torch.uint8 or values.shape[-1] % 4 or not values.is_contiguous():
+        raise ValueError(f"shift packing takes contiguous uint8 bytes, a multiple of 4 per row; got "
+                         f"{values.dtype} {tuple(values.shape)}")
+    out = torch.empty_like(values)
+    flat_in, flat_out = values.view(-1, values.shape[-1]), out.view(-1, values.shape[-1])
+    rows = max(1, (1 << 24) // max(1, values.shape[-1]))  # ~16 MB of bytes at a time: int64 temporaries
+    for first in range(0, flat_in.shape[0], rows):
+        words = flat_in[first:first + rows].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        flat_out[first:first + rows].view(torch.int32).copy_(_permute_bits(words, bit_map).to(torch.int32))
+    return out
+
+
+def shift_pack(values: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 bytes [..., n] (n % 4 == 0, contiguous) -> the shift decode's layout (a new tensor)."""
+    return _repack(values, SHIFT_BIT_MAP)
+
+
+def shift_unpack(values: torch.Tensor) -> torch.Tensor:
+    """Inverse of `shift_pack`: the checkpoint's byte layout back."""
+    inverse = [0] * 32
+    for b, to in enumerate(SHIFT_BIT_MAP):
+        inverse[to] = b
+    return _repack(values, tuple(inverse))
+
+
+def e8m0_to_shift_scale(scales: torch.Tensor) -> torch.Tensor:
+    """The shift decode's bf16 scale operand: 2**(e - 1) (bits (e + 126) << 7), for e <= SHIFT_MAX_SCALE."""
+    return ((scales.to(torch.int16) + 126) << 7).view(torch.bfloat16)
+
+
+def e2m1_shift_to_bf16(codes: torch.Tensor) -> torch.Tensor:
+    """Torch mirror of the shift decode per code: uint8 codes (0-15) -> bf16 of value * 2**-126."""
+    c = codes.to(torch.int32)
+    return ((((c & 7) << 6) | ((c & 8) << 12)).to(torch.int16)).view(torch.bfloat16)
+
+
+def dequantize_mxfp4_shift(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What the shift decode computes, as `dequantize_mxfp4_bits` for the table decode: checkpoint-order
+    blocks [..., N, G, 16], scales [..., N, G] (every e <= SHIFT_MAX_SCALE) -> [..., N, 32 G] bf16."""
+    codes = torch.stack((blocks & 0xF, blocks >> 4), dim=-1).flatten(-2)
+    return (e2m1_shift_to_bf16(codes) * e8m0_to_shift_scale(scales).unsqueeze(-1)).flatten(-2)

@@ -14,6 +14,7 @@ dequantize each tile right after its load; activations stay bf16 and accumulatio
 are upcast one of two ways (`mxfp4_upcast`): "bits" builds the bf16 weights with integer ops
 (`epdraft.kernels.e2m1`) and multiplies the activations' even and odd K columns apart; "dot_scaled"
 hands the packed tile and its scales to `tl.dot_scaled`. Both equal the dequantized reference.
+Shift-packed MXFP4 weights (`ExpertWeights.shift_packed`) take the bits path's table-free decode.
 """
 
 from __future__ import annotations
@@ -177,7 +178,11 @@ def _mxfp4_dot_scaled(w: ExpertWeights, mxfp4_upcast: str) -> bool:
     """The kernels' MXFP4_DOT_SCALED constexpr (False for every other format: one compiled kernel)."""
     if mxfp4_upcast not in get_args(Mxfp4Upcast):
         raise ConfigError(f"mxfp4_upcast = {mxfp4_upcast!r}; expected one of {list(get_args(Mxfp4Upcast))}")
-    return w.format == "mxfp4" and mxfp4_upcast == "dot_scaled"
+    dot_scaled = w.format == "mxfp4" and mxfp4_upcast == "dot_scaled"
+    if dot_scaled and w.packing == "shift":
+        raise ConfigError("mxfp4_upcast = 'dot_scaled' reads checkpoint-order bytes; these weights are shift "
+                          "packed (the bits upcast's table-free decode)")
+    return dot_scaled
 
 
 def _weight_descriptor(w: ExpertWeights, gemm: GemmConfig, dot_scaled: bool):

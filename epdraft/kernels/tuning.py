@@ -399,6 +399,7 @@ def tune(
     tokens: list[int],
     weights: str = "bf16",
     mxfp4_upcast: str | None = None,
+    mxfp4_packing: str = "nibbles",
 ) -> dict[int, MoeKernelConfig]:
     """Search block rows, then the up and down GEMMs apart (they do not interact), per token count.
 
@@ -409,7 +410,7 @@ def tune(
     as they will there. The fastest up + down pair over block sizes wins. `weights` fp8 | mxfp4
     tunes the quantized kernels on random weights quantized by `epdraft.loading.quant`
     (fp8 with 128 x 128 blocks), among the candidates they can run; MXFP4 through `mxfp4_upcast`
-    (default: the kernels' `MXFP4_UPCAST`).
+    (default: the kernels' `MXFP4_UPCAST`), its bytes `shift_packed` when `mxfp4_packing` is "shift".
     """
     from epdraft.config.ffn import ActivationSpec
     from epdraft.kernels.align import align_pairs
@@ -422,6 +423,8 @@ def tune(
     w13 = (torch.randn(num_experts, 2 * intermediate, hidden, device=device, generator=gen) * hidden**-0.5).to(dtype)
     w2 = (torch.randn(num_experts, hidden, intermediate, device=device, generator=gen) * intermediate**-0.5).to(dtype)
     w13, w2 = quantize_weights(w13, weights), quantize_weights(w2, weights)
+    if mxfp4_packing == "shift":
+        w13, w2 = w13.shift_packed(), w2.shift_packed()
     act = ActivationSpec()
 
     table: dict[int, MoeKernelConfig] = {}

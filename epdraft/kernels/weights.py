@@ -2,7 +2,9 @@
 
     bf16   values [e, N, K] in x's dtype, no scales
     fp8    values [e, N, K] float8_e4m3fn, scales [e, ceil(N/bn), ceil(K/bk)] fp32 (`weight_scale_inv`)
-    mxfp4  values [e, N, K/2] uint8 (two e2m1 a byte, low nibble first), scales [e, N, K/32] uint8 e8m0
+    mxfp4  values [e, N, K/2] uint8 (two e2m1 a byte, low nibble first), scales [e, N, K/32] uint8 e8m0;
+           with packing "shift" each 32-bit word's bits are permuted for the kernels' table-free decode
+           (`epdraft.kernels.e2m1.shift_pack`; `shift_packed` makes them where every scale allows it)
 N and K are the logical (dequantized) sizes: w13 is [e, 2F, H] (gate rows, then up rows), w2 [e, H, F].
 FP8 scales are those of the whole [N, K] matrix: for w13 of gate and up rows stacked, so a gate and
 an up projection quantized apart stack into w13 only when F is a multiple of the block rows.
@@ -17,26 +19,33 @@ from typing import Literal
 import torch
 
 from epdraft.errors import ConfigError
+from epdraft.kernels.e2m1 import SHIFT_MAX_SCALE, shift_pack, shift_unpack
 from epdraft.loading.quant import dequantize_fp8, dequantize_mxfp4
 
 WeightFormat = Literal["bf16", "fp8", "mxfp4"]
 FORMAT_CODES = {"bf16": 0, "fp8": 1, "mxfp4": 2}
-"""The kernels' W_FMT constexpr per format."""
+"""The kernels' W_FMT constexpr per format (3: mxfp4 with packing "shift")."""
+Mxfp4Packing = Literal["nibbles", "shift"]
 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertWeights:
-    """Expert weights of one GEMM: values, scales (None for bf16), format and fp8 scale block (rows, cols)."""
+    """Expert weights of one GEMM: values, scales (None for bf16), format, fp8 scale block (rows,
+    cols) and the byte layout of mxfp4 values (module docstring)."""
 
     values: torch.Tensor
     scales: torch.Tensor | None = None
     format: WeightFormat = "bf16"
     block: tuple[int, int] = (1, 1)
+    packing: Mxfp4Packing = "nibbles"
 
     def __post_init__(self) -> None:
         v, s, fmt = self.values, self.scales, self.format
         if fmt not in FORMAT_CODES:
             raise ConfigError(f"ExpertWeights: unknown format {fmt!r}; expected one of {sorted(FORMAT_CODES)}")
+        if self.packing not in ("nibbles", "shift") or (self.packing == "shift" and fmt != "mxfp4"):
+            raise ConfigError(f"ExpertWeights ({fmt}): packing {self.packing!r}; only mxfp4 values may be "
+                              "'shift' packed, every format may be 'nibbles'")
         if v.dim() != 3:
             raise ConfigError(f"ExpertWeights ({fmt}): values have shape {tuple(v.shape)}, expected [e, N, K]")
         if fmt == "bf16":
@@ -67,7 +76,15 @@ class ExpertWeights:
 
     @property
     def code(self) -> int:
-        return FORMAT_CODES[self.format]
+        return 3 if self.packing == "shift" else FORMAT_CODES[self.format]
+
+    def shift_packed(self) -> ExpertWeights:
+        """These mxfp4 weights with the shift decode's byte layout (a copy) when every scale is at most
+        SHIFT_MAX_SCALE (real checkpoints' are: 2**1 or less); else, and for other formats, self.
+        Reads the largest scale back to the host: call it at load, not in a captured step."""
+        if self.format != "mxfp4" or self.packing == "shift" or int(self.scales.max()) > SHIFT_MAX_SCALE:
+            return self
+        return dataclasses.replace(self, values=shift_pack(self.values), packing="shift")
 
     @property
     def nbytes(self) -> int:
@@ -82,7 +99,8 @@ class ExpertWeights:
         if self.format == "fp8":
             return dequantize_fp8(self.values, self.scales, self.block, dtype)
         e, N, k = self.values.shape
-        return dequantize_mxfp4(self.values.view(e, N, k // 16, 16), self.scales, dtype)
+        values = shift_unpack(self.values) if self.packing == "shift" else self.values
+        return dequantize_mxfp4(values.view(e, N, k // 16, 16), self.scales, dtype)
 
 
 def as_weights(w: torch.Tensor | ExpertWeights) -> ExpertWeights:

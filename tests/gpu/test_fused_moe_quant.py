@@ -3,11 +3,11 @@ dequantized bf16 weights: the four `epdraft bench kernel` shapes, T in {0, 1, 16
 
 The bound is DESIGN.md's bf16 drift (max |dy| <= 0.2 mean|y|, mean <= 0.02 mean|y|). MXFP4 tiles are
 exact in bf16, as the reference's dequantization is, through either upcast (`mxfp4_upcast`: the
-bits path, `epdraft.kernels.e2m1`, and `tl.dot_scaled`), and the two upcasts agree to accumulation
-order; FP8 tiles multiply as exact e4m3 values and their block scale is applied to the fp32 partial
+bits path, `epdraft.kernels.e2m1`, on checkpoint-order or shift-packed bytes, and `tl.dot_scaled`),
+and the upcasts agree to accumulation order (the bits path's two decodes bit for bit); FP8 tiles multiply as exact e4m3 values and their block scale is applied to the fp32 partial
 product, where the reference rounds fp8 * scale to bf16 first: a difference of at most one bf16
 rounding per weight, besides accumulation order. The last tests run the bits path's Triton upcast
-alone on every byte and scale, bit for bit.
+alone on every byte and scale, bit for bit (each decode).
 """
 
 from __future__ import annotations
@@ -27,8 +27,15 @@ from tests.gpu.test_fused_moe import assert_matches
 pytestmark = pytest.mark.gpu
 
 TOKENS = (0, 1, 16, 128, 512, 2048)
-# (format, mxfp4_upcast): fp8 ignores the upcast
-FORMATS = [("fp8", "bits"), ("mxfp4", "bits"), ("mxfp4", "dot_scaled")]
+# (format, mxfp4_upcast or "shift": the bits upcast on shift-packed weights): fp8 ignores the upcast
+FORMATS = [("fp8", "bits"), ("mxfp4", "bits"), ("mxfp4", "shift"), ("mxfp4", "dot_scaled")]
+
+
+def _packed(w13, w2, upcast: str):
+    """(w13, w2, the kernels' mxfp4_upcast) for a FORMATS upcast name."""
+    if upcast == "shift":
+        return w13.shift_packed(), w2.shift_packed(), "bits"
+    return w13, w2, upcast
 
 
 @functools.lru_cache(maxsize=1)
@@ -49,6 +56,7 @@ def test_quantized_experts_match_the_dequantized_reference(shape, fmt, upcast):
 
     E, I, H, K = SHAPES[shape]
     w13, w2, ref13, ref2 = _weights(shape, fmt)
+    w13, w2, upcast = _packed(w13, w2, upcast)
     failures = []
     for num_tokens in TOKENS:
         gen = torch.Generator(device="cuda").manual_seed(num_tokens)
@@ -80,17 +88,19 @@ def test_quantized_split_k_bias_and_clamp(fmt, upcast, up_split, down_split, blo
     ids, weights = random_routing(300, E, K, torch.device("cuda"), gen)
     ids[::7, 1] = -1
     act = ActivationSpec(kind="swigluoai", limit=7.0)
+    ref13, ref2 = w13.dequantized(torch.bfloat16), w2.dequantized(torch.bfloat16)
+    w13, w2, upcast = _packed(w13, w2, upcast)
     config = MoeKernelConfig(block_m=block_m, up=UpConfig(block_n=64, block_k=128, split_k=up_split, weight_tma=weight_tma),
                              down=DownConfig(block_n=64, block_k=64, split_k=down_split, weight_tma=weight_tma))
     out = fused_experts_with_config(x, ids, weights, w13, w2, act, b13, b2, config, upcast)
-    ref = experts_reference(x, ids, weights, w13.dequantized(torch.bfloat16), w2.dequantized(torch.bfloat16), act,
-                            b13, b2)
+    ref = experts_reference(x, ids, weights, ref13, ref2, act, b13, b2)
     assert_matches(out, ref)
 
 
 def test_mxfp4_upcasts_agree_and_take_any_activation_layout():
-    """Both upcasts on the same weights agree to accumulation order; the bits path (which reads x's
-    K-column pairs as int32) takes a strided, 2-byte-offset x by copying it."""
+    """Both upcasts on the same weights agree to accumulation order, and the bits path's two decodes
+    bit for bit; the bits path (which reads x's K-column pairs as int32) takes a strided,
+    2-byte-offset x by copying it; dot_scaled refuses shift-packed bytes."""
     from epdraft.kernels.fused_moe import fused_experts_quantized
 
     gen = torch.Generator(device="cuda").manual_seed(9)
@@ -105,6 +115,11 @@ def test_mxfp4_upcasts_agree_and_take_any_activation_layout():
     assert_matches(bits, dot_scaled)
     # the same bf16 products summed in another order: a rare last-bit flip of an h or y rounding
     assert (bits.float() - dot_scaled.float()).abs().mean() <= 1e-3 * dot_scaled.float().abs().mean()
+    s13, s2 = w13.shift_packed(), w2.shift_packed()
+    assert s13.packing == s2.packing == "shift"
+    assert torch.equal(fused_experts_quantized(x, ids, weights, s13, s2, ActivationSpec(), mxfp4_upcast="bits"), bits)
+    with pytest.raises(ConfigError, match="shift packed"):
+        fused_experts_quantized(x, ids, weights, s13, s2, ActivationSpec(), mxfp4_upcast="dot_scaled")
     with pytest.raises(ConfigError, match="mxfp4_upcast = 'fast'; expected one of"):
         fused_experts_quantized(x, ids, weights, w13, w2, ActivationSpec(), mxfp4_upcast="fast")
 
@@ -126,6 +141,22 @@ def test_bits_upcast_is_the_reference_for_every_byte_and_scale():
     assert (got[1][flushed] == 0).all() and (ref[1][flushed].view(torch.bfloat16).abs() < 2**-126).all()
     assert (got[0].view(torch.bfloat16) == 0).all()
     assert (got[255].view(torch.bfloat16).isinf() | got[255].view(torch.bfloat16).isnan()).all()
+
+
+def test_shift_upcast_is_the_reference_for_every_byte_and_scale_it_takes():
+    """The shift decode on every byte x every e8m0 scale up to 128, bit for bit the reference, e = 0
+    and 1 included: its unscaled values are bf16 subnormals (0.5 * 2**-126), so this also says the
+    device's bf16 multiply keeps subnormal inputs and results."""
+    from epdraft.kernels.e2m1 import SHIFT_MAX_SCALE, shift_pack
+    from epdraft.loading.quant import dequantize_mxfp4
+    from tests.gpu._upcast_kernel import upcast
+
+    byte = torch.arange(256, dtype=torch.uint8, device="cuda").repeat(256)  # a scale per 256 bytes
+    e = torch.arange(256, device="cuda").clamp(max=SHIFT_MAX_SCALE).to(torch.uint8).repeat_interleave(256)
+    lo, hi = upcast(shift_pack(byte.view(1, -1)).view(-1), e, shift=True)
+    got = torch.stack((lo, hi), dim=-1).view(256, 512).view(torch.int16)
+    ref = dequantize_mxfp4(byte.view(256, 16, 16), e.view(256, 256)[:, ::16], torch.bfloat16).view(torch.int16)
+    assert torch.equal(got, ref)
 
 
 def test_quantized_refusals_name_the_tensor():

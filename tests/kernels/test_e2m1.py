@@ -1,5 +1,6 @@
-"""The MXFP4 bits path's upcast (CPU): its torch mirror equals the reference dequantization for
-every code and scale, and its PTX text (run by the emulator) equals the mirror for every byte."""
+"""The MXFP4 bits path's upcasts (CPU): each decode's torch mirror (table lookups; the table-free
+shift decode on shift-packed bytes) equals the reference dequantization for every code and scale it
+takes, and its PTX text (run by the emulator) equals the mirror for every byte in every position."""
 
 from __future__ import annotations
 
@@ -11,8 +12,16 @@ from epdraft.kernels.e2m1 import (
     E2M1_CONSTRAINTS,
     E2M1_HI_PTX,
     E2M1_LO_PTX,
+    SHIFT_BIT_MAP,
+    SHIFT_HI_PTX,
+    SHIFT_LO_PTX,
+    SHIFT_MAX_SCALE,
     dequantize_mxfp4_bits,
+    dequantize_mxfp4_shift,
     e2m1_bits_to_bf16,
+    e2m1_shift_to_bf16,
+    shift_pack,
+    shift_unpack,
 )
 from epdraft.loading.quant import E2M1_VALUES, dequantize_mxfp4
 from tests.kernels.ptx_emulator import run_elementwise, run_ptx
@@ -59,6 +68,41 @@ def test_ptx_equals_the_mirror_for_every_byte_in_every_position(offset):
     codes = torch.from_numpy(words.reshape(-1))
     assert np.array_equal(lo, e2m1_bits_to_bf16(codes & 0xF).view(torch.int16).numpy().view(np.uint16))
     assert np.array_equal(hi, e2m1_bits_to_bf16(codes >> 4).view(torch.int16).numpy().view(np.uint16))
+
+
+def test_shift_packing_is_a_bit_permutation_of_each_word():
+    assert sorted(SHIFT_BIT_MAP) == list(range(32))
+    blocks = torch.randint(0, 256, (3, 7, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = shift_pack(blocks)
+    assert torch.equal(shift_unpack(packed), blocks) and not torch.equal(packed, blocks)
+    # each word's set bits are its own, moved: the popcount per 32-bit word is kept
+    popcount = lambda t: np.unpackbits(t.numpy().view(np.uint8)).reshape(-1, 32).sum(1)  # noqa: E731
+    assert np.array_equal(popcount(packed), popcount(blocks))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        shift_pack(torch.zeros(2, 6, dtype=torch.uint8))
+
+
+def test_shift_decode_equals_the_reference_bit_for_bit_for_scales_0_to_128():
+    """Unlike the table decode, e = 0 and e = 1 are exact too (the reference's subnormal results)."""
+    blocks, scales = _every_byte_at_every_scale()
+    n = SHIFT_MAX_SCALE + 1
+    shift = dequantize_mxfp4_shift(blocks[:n], scales[:n]).view(torch.int16)
+    assert torch.equal(shift, dequantize_mxfp4(blocks[:n], scales[:n], torch.bfloat16).view(torch.int16))
+    assert e2m1_shift_to_bf16(torch.tensor([1], dtype=torch.uint8)).float().item() == 0.5 * 2.0**-126
+
+
+@pytest.mark.parametrize("offset", range(4))
+def test_shift_ptx_equals_the_mirror_for_every_byte_in_every_position(offset):
+    """As the table decode's test, on the shift-packed words: output element i is byte i's nibble."""
+    rng = np.random.default_rng(10 + offset)
+    words = rng.integers(0, 256, size=(256, 4), dtype=np.uint8)
+    words[:, offset] = np.arange(256, dtype=np.uint8)
+    codes = torch.from_numpy(words.reshape(-1))
+    packed = shift_pack(codes.view(1, -1)).numpy().reshape(-1)
+    lo, = run_elementwise(SHIFT_LO_PTX, E2M1_CONSTRAINTS, [packed], [np.uint16], pack=4)
+    hi, = run_elementwise(SHIFT_HI_PTX, E2M1_CONSTRAINTS, [packed], [np.uint16], pack=4)
+    assert np.array_equal(lo, e2m1_shift_to_bf16(codes & 0xF).view(torch.int16).numpy().view(np.uint16))
+    assert np.array_equal(hi, e2m1_shift_to_bf16(codes >> 4).view(torch.int16).numpy().view(np.uint16))
 
 
 def test_emulator_follows_the_ptx_isa():

@@ -36,9 +36,28 @@ def test_formats_shapes_bytes_and_dequantization():
          "expected torch.float8_e4m3fn/torch.float32"),
         (dict(values=torch.zeros(4, 64)), "expected [e, N, K]"),
         (dict(values=torch.zeros(2, 4, 64), format="int4"), "unknown format 'int4'"),
+        (dict(values=torch.zeros(2, 4, 64), packing="shift"), "only mxfp4 values may be 'shift' packed"),
     ],
 )
 def test_refusals_name_what_is_wrong(kwargs, needle):
     with pytest.raises(ConfigError) as info:
         ExpertWeights(**kwargs)
     assert needle in str(info.value)
+
+
+def test_shift_packing_keeps_the_weights_and_falls_back_past_its_scales():
+    """shift_packed: the same dequantized weights under W_FMT 3; weights with a scale over 2**1
+    (e > 128, which the decode's scale operand cannot hold) and other formats stay as they are."""
+    w = torch.randn(3, 64, 256) * 0.05
+    mx = quantize_weights(w, "mxfp4")
+    shifted = mx.shift_packed()
+    assert (shifted.packing, shifted.code, mx.code) == ("shift", 3, 2)
+    assert not torch.equal(shifted.values, mx.values)  # the bytes did move
+    assert torch.equal(shifted.dequantized(torch.float32), mx.dequantized(torch.float32))
+    assert shifted.shift_packed() is shifted
+    big = quantize_weights(w * 32, "mxfp4")  # |w| up to ~8: the largest scale 2**1 (e = 128)
+    assert int(big.scales.max()) == 128 and big.shift_packed().packing == "shift"
+    bigger = quantize_weights(w * 64, "mxfp4")
+    assert int(bigger.scales.max()) > 128 and bigger.shift_packed() is bigger
+    fp8 = quantize_weights(w, "fp8")
+    assert fp8.shift_packed() is fp8
