@@ -4,10 +4,10 @@ With `--weights bf16,fp8,mxfp4` every shape and T runs in each weight format sid
 same random weights (quantized by `epdraft.loading.quant`; fp8 with 128 x 128 blocks) and routing:
 bytes count each format's stored values and scales, `x bf16` is the bf16 row's time over this one,
 and the error is against `experts_reference` on the format's dequantized weights. grouped_mm and
-the reference loop are timed for bf16 rows only. MXFP4 runs through the kernels' default upcast
-(`epdraft.kernels.fused_moe.MXFP4_UPCAST`); `mxfp4-bits` and `mxfp4-dot-scaled` name one upcast
-each, so `--weights bf16,mxfp4-bits,mxfp4-dot-scaled` times both on the same weights; `mxfp4-shift`
-is the bits upcast on the same weights shift-packed (`ExpertWeights.shift_packed`: no tables).
+the reference loop are timed for bf16 rows only. `mxfp4` runs as a loaded draft does: the bits
+upcast on shift-packed bytes (`ExpertWeights.shift_packed`: the table-free decode; `mxfp4-shift`
+names it too); `mxfp4-bits` is the bits upcast's table decode on checkpoint-order bytes and
+`mxfp4-dot-scaled` `tl.dot_scaled`'s, so `--weights bf16,mxfp4-bits,mxfp4` times two on the same weights.
 
 Every path runs on the same random routing; the fused and grouped_mm paths are timed as CUDA-graph
 replays (median of `triton.testing.do_bench`), the reference loop eagerly (it synchronizes with the
@@ -62,13 +62,14 @@ ROOFLINE_BYTES_PER_S = 4.3e12
 VARIANTS: dict[str, tuple[str, str, str]] = {
     "bf16": ("bf16", MXFP4_UPCAST, "nibbles"),
     "fp8": ("fp8", MXFP4_UPCAST, "nibbles"),
-    "mxfp4": ("mxfp4", MXFP4_UPCAST, "nibbles"),
+    "mxfp4": ("mxfp4", "bits", "shift"),
     "mxfp4-bits": ("mxfp4", "bits", "nibbles"),
     "mxfp4-shift": ("mxfp4", "bits", "shift"),
     "mxfp4-dot-scaled": ("mxfp4", "dot_scaled", "nibbles"),
 }
 """`--weights` name -> (weight format, the kernels' mxfp4_upcast, MXFP4's byte packing; only MXFP4
-reads the last two: "shift" is `ExpertWeights.shift_packed`, the bits upcast's table-free decode)."""
+reads the last two: "shift" is `ExpertWeights.shift_packed`, the bits upcast's table-free decode).
+`mxfp4` is what a loaded draft runs (`RoutedExperts.pack_for_kernels`)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,8 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config-dir", type=Path, default=CONFIG_DIR, help="where tuned tables are read and written")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--weights", default="bf16",
-                        help="comma list of weight formats: bf16, fp8, mxfp4 (the default upcast, "
-                             f"{MXFP4_UPCAST}), mxfp4-bits, mxfp4-shift, mxfp4-dot-scaled (one MXFP4 upcast each)")
+                        help="comma list of weight formats: bf16, fp8, mxfp4 (as a loaded draft runs: the "
+                             "shift decode), mxfp4-bits, mxfp4-shift, mxfp4-dot-scaled (one MXFP4 decode each)")
     parser.add_argument("--tune-weights", default="", help="formats --tune tunes (default: those of --weights; "
                         "at most one MXFP4 name: the tuned table is per format)")
     parser.add_argument("--json", type=Path, default=None, help="append one JSON line per (shape, T) here")

@@ -83,7 +83,8 @@ class RoutedExperts(nn.Module):
     them: `DraftMoeFFNSpec.quantized_kernel_reason`), w13 / w2 hold the stored values and
     `w13_scale` / `w2_scale` their scales, in `epdraft.kernels.weights` layout (mxfp4: uint8
     `[e, 2F, H/2]` + e8m0 `[e, 2F, H/32]`; fp8: e4m3 `[e, 2F, H]` + fp32 `[e, 2F/128, H/128]`);
-    never cast such a module's dtype.
+    never cast such a module's dtype. `pack_for_kernels` (after loading) may then permute mxfp4
+    bytes for the kernels' table-free decode; `w13_packing` / `w2_packing` say which layout is held.
     """
 
     def __init__(
@@ -104,6 +105,7 @@ class RoutedExperts(nn.Module):
         kw = {"dtype": dtype, "device": device}
         self.w13_scale: nn.Parameter | None = None
         self.w2_scale: nn.Parameter | None = None
+        self.w13_packing = self.w2_packing = "nibbles"
         if quantization is None:
             self.w13 = nn.Parameter(torch.empty(e, 2 * F_, H, **kw), requires_grad=False)
             self.w2 = nn.Parameter(torch.empty(e, H, F_, **kw), requires_grad=False)
@@ -135,8 +137,18 @@ class RoutedExperts(nn.Module):
         q = self.quantization
         if q is None:
             return self.w13, self.w2
-        return (ExpertWeights(self.w13.data, self.w13_scale.data, q.method, q.block),
-                ExpertWeights(self.w2.data, self.w2_scale.data, q.method, q.block))
+        return (ExpertWeights(self.w13.data, self.w13_scale.data, q.method, q.block, self.w13_packing),
+                ExpertWeights(self.w2.data, self.w2_scale.data, q.method, q.block, self.w2_packing))
+
+    def pack_for_kernels(self) -> None:
+        """Once loaded, on CUDA: MXFP4 weights whose scales allow it (every e8m0 exponent <= 128) are
+        re-laid for the fused kernels' table-free decode (`ExpertWeights.shift_packed`), the same
+        weights read with fewer instructions. Reads the largest scales to the host: not for a captured step."""
+        if self.quantization is None or self.quantization.method != "mxfp4" or self.w13.device.type != "cuda":
+            return
+        w13, w2 = (w.shift_packed() for w in self.weights())
+        self.w13.data, self.w13_packing = w13.values, w13.packing
+        self.w2.data, self.w2_packing = w2.values, w2.packing
 
     def forward(self, rows_RH: torch.Tensor, ids_RK: torch.Tensor, weights_RK: torch.Tensor) -> torch.Tensor:
         """rows_RH [R, H], ids_RK [R, K] local ids (-1 = skip), weights_RK [R, K] fp32 -> [R, H]."""

@@ -18,6 +18,7 @@ import torch
 from epdraft.config.hf import read_config_json
 from epdraft.dispatch import Dispatcher
 from epdraft.errors import ConfigError, LoadError
+from epdraft.layers.routed_experts import RoutedExperts
 from epdraft.loading import TensorSource, open_checkpoint, quantized_source
 from epdraft.models.dflash import DFlashDraft
 from epdraft.models.protocol import DRAFT_FAMILIES, DraftModel
@@ -47,13 +48,17 @@ def load_draft(
     `spec`: the export's spec when the caller has read it already (config.json is then not read
     again). The family comes from `DRAFT_FAMILIES[spec.kind]`; `dispatcher` places and connects
     the MoE layers (None: every expert here). Raises ConfigError for a config the runtime cannot
-    run, LoadError for a missing tensor or a wrong shape (naming them).
+    run, LoadError for a missing tensor or a wrong shape (naming them). MXFP4 experts kept for the
+    CUDA kernels are then re-laid for their table-free decode (`RoutedExperts.pack_for_kernels`).
     """
     path = Path(path)
     spec = spec if spec is not None else read_draft_spec(path)
     model = DRAFT_FAMILIES[spec.kind](spec, dtype=dtype, device=device, dispatcher=dispatcher)
     # a quantized export (quantization_config) is dequantized to `dtype` as it is read
     load_draft_weights(model, quantized_source(open_checkpoint(path), spec.ffn, dtype), origin=str(path))
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            module.pack_for_kernels()
     return model.eval()
 
 

@@ -177,7 +177,8 @@ def test_quantized_refusals_name_the_tensor():
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 def test_draft_moe_keeps_quantized_experts_on_cuda(fmt):
     """A DraftMoE built on CUDA in bf16 from a quantized checkpoint holds the stored blocks and runs the
-    quantized kernels; its output matches the same layer holding the dequantized weights."""
+    quantized kernels; its output matches the same layer holding the dequantized weights, and for
+    mxfp4 stays bit for bit the same once `pack_for_kernels` re-lays the blocks for the shift decode."""
     import msgspec
 
     from epdraft.config.ffn import DraftMoeFFNSpec, RouterSpec
@@ -209,4 +210,9 @@ def test_draft_moe_keeps_quantized_experts_on_cuda(fmt):
     assert held.experts.quantization == quant and plain.experts.quantization is None
     x = torch.randn(64, H, device="cuda").to(torch.bfloat16)
     with torch.no_grad():
-        assert_matches(held(x), plain(x))
+        out = held(x)
+        assert_matches(out, plain(x))
+        held.experts.pack_for_kernels()
+        packed = (held.experts.w13_packing, held.experts.w2_packing)
+        assert packed == (("shift", "shift") if fmt == "mxfp4" else ("nibbles", "nibbles"))
+        assert torch.equal(held(x), out)
