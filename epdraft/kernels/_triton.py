@@ -11,6 +11,7 @@ import triton.language as tl
 
 from epdraft.kernels._launch_triton import enter
 from epdraft.kernels.e2m1 import E2M1_CONSTRAINTS, E2M1_HI_PTX, E2M1_LO_PTX, SHIFT_HI_PTX, SHIFT_LO_PTX
+from epdraft.kernels.e4m3 import E4M3_CONSTRAINTS, E4M3_PTX
 
 ACT_SWIGLU = 0
 ACT_SWIGLUOAI = 1
@@ -164,6 +165,8 @@ _E2M1_HI_PTX = tl.constexpr(E2M1_HI_PTX)
 _E2M1_CONSTRAINTS = tl.constexpr(E2M1_CONSTRAINTS)
 _SHIFT_LO_PTX = tl.constexpr(SHIFT_LO_PTX)
 _SHIFT_HI_PTX = tl.constexpr(SHIFT_HI_PTX)
+_E4M3_PTX = tl.constexpr(E4M3_PTX)
+_E4M3_CONSTRAINTS = tl.constexpr(E4M3_CONSTRAINTS)
 
 
 @triton.jit
@@ -202,6 +205,14 @@ def _e2m1_to_bf16(w, SHIFT: tl.constexpr = False):
 
 
 @triton.jit
+def _e4m3_to_bf16(w):
+    """An e4m3 tile -> its values as bf16 (exact), with integer ops (`epdraft.kernels.e4m3` says how).
+    Keep the tile's load right before this call, as for `_e2m1_to_bf16`."""
+    return tl.inline_asm_elementwise(_E4M3_PTX, _E4M3_CONSTRAINTS, [w.to(tl.uint8, bitcast=True)],
+                                     dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
 def _dot_mxfp4_bits(a_even, a_odd, acc, w_ptr, w_desc, s_ptr, expert, rows, n_first, k0, stride_we, stride_wn,
                     stride_se, stride_sn, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr, SHIFT: tl.constexpr):
     """acc + a @ W[rows, k0 : k0 + BLOCK_K]^T for MXFP4 rows `rows` (int64) of `expert`, a given as its
@@ -225,7 +236,7 @@ def _dot_quantized(a, acc, w_ptr, w_desc, s_ptr, expert, rows, n_first, k0, stri
                    W_TMA: tl.constexpr):
     """acc + a @ W[rows, k0 : k0 + BLOCK_K]^T for quantized weight rows `rows` (int64) of `expert`.
 
-    FP8: the e4m3 tile (exact in bf16) times a, then the product times the block's fp32 scale per
+    FP8: the e4m3 tile (exact in bf16: `_e4m3_to_bf16`) times a, then the product times the block's fp32 scale per
     column; MXFP4: `tl.dot_scaled` (e2m1 upcast with its e8m0 scales, exact in bf16). The MXFP4
     bits path is `_dot_mxfp4_bits`.
     """
@@ -234,7 +245,7 @@ def _dot_quantized(a, acc, w_ptr, w_desc, s_ptr, expert, rows, n_first, k0, stri
         scale = tl.load(s_ptr + expert * stride_se + (rows // QBN) * stride_sn + k0 // QBK)
         # e4m3 -> bf16 is exact; the block's scale multiplies this K tile's partial product (a BLOCK_K
         # tile never crosses a scale block), BLOCK_M x BLOCK_N multiplies instead of BLOCK_K x BLOCK_N
-        return acc + tl.dot(a, w.to(a.dtype)) * scale[None, :]
+        return acc + tl.dot(a, _e4m3_to_bf16(w)) * scale[None, :]
     else:
         offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         w = tl.load(w_ptr + expert * stride_we + rows[None, :] * stride_wn + offs_b[:, None])

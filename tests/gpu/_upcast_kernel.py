@@ -1,4 +1,5 @@
-"""The bits path's MXFP4 upcast alone (either decode), as a Triton kernel over flat bytes (imported by GPU tests only)."""
+"""The kernels' MXFP4 upcasts (either decode) and FP8 upcast alone, as Triton kernels over flat bytes
+(imported by GPU tests only)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epdraft.kernels._triton import _e2m1_to_bf16, _e8m0_to_bf16
+from epdraft.kernels._triton import _e2m1_to_bf16, _e4m3_to_bf16, _e8m0_to_bf16
 
 BLOCK = 4096
 
@@ -29,3 +30,16 @@ def upcast(bytes_u8: torch.Tensor, scales_u8: torch.Tensor, shift: bool = False)
     hi = torch.empty_like(lo)
     _upcast_kernel[(bytes_u8.numel() // BLOCK,)](bytes_u8, scales_u8, lo, hi, BLOCK=BLOCK, SHIFT=shift, num_warps=4)
     return lo, hi
+
+
+@triton.jit
+def _upcast_e4m3_kernel(w_ptr, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, _e4m3_to_bf16(tl.load(w_ptr + offs)))
+
+
+def upcast_e4m3(values: torch.Tensor) -> torch.Tensor:
+    """[n] float8_e4m3fn on CUDA (n % 4096 == 0) -> bf16, as the kernels convert FP8 weight tiles."""
+    out = torch.empty(values.shape, dtype=torch.bfloat16, device=values.device)
+    _upcast_e4m3_kernel[(values.numel() // BLOCK,)](values, out, BLOCK=BLOCK, num_warps=4)
+    return out

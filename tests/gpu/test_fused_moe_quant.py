@@ -159,6 +159,20 @@ def test_shift_upcast_is_the_reference_for_every_byte_and_scale_it_takes():
     assert torch.equal(got, ref)
 
 
+def test_fp8_upcast_is_the_conversion_for_every_byte():
+    """The kernels' integer e4m3 -> bf16 (epdraft.kernels.e4m3) on the device, every byte in every
+    position of a 4-byte word: torch's conversion bit for bit (subnormals included), NaN read as +-480."""
+    from tests.gpu._upcast_kernel import upcast_e4m3
+
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda")
+    words = torch.stack([codes.roll(shift) for shift in range(16)]).flatten()  # 4096 bytes
+    got = upcast_e4m3(words.view(torch.float8_e4m3fn))
+    ref = words.view(torch.float8_e4m3fn).to(torch.bfloat16)
+    nan = ref.isnan()
+    assert torch.equal(got[~nan].view(torch.int16), ref[~nan].view(torch.int16))
+    assert (got[nan].abs() == 480).all()
+
+
 def test_quantized_refusals_name_the_tensor():
     from epdraft.kernels.fused_moe import fused_experts_quantized
 

@@ -8,6 +8,9 @@ that PTX either keeps being checked here or fails loudly. Semantics are the PTX 
                                 (a bytes 0-3, b bytes 4-7), or that byte's sign bit replicated
                                 when (c >> 4i) & 8
     lop3.b32 d, a, b, c, lut    bit-wise lut[(a << 2) | (b << 1) | c]
+    mov.b32 d, a                a
+    mul.rn.bf16x2 d, a, b       each 16-bit lane a bf16 product, rounded to nearest even (exact
+                                whenever the product is a float32: every use in epdraft)
 Operands are `$N` (outputs first, then inputs, as Triton numbers them), names declared with `.reg
 .b32`, or integer immediates.
 """
@@ -40,7 +43,20 @@ def _lop3(a: np.ndarray, b: np.ndarray, c: np.ndarray, lut: int) -> np.ndarray:
     return out
 
 
+def _mul_bf16x2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    out = np.zeros_like(a, dtype=_U32)
+    for shift in (0, 16):
+        fa = ((a >> _U32(shift)) << _U32(16)).astype(_U32).view(np.float32).astype(np.float64)
+        fb = ((b >> _U32(shift)) << _U32(16)).astype(_U32).view(np.float32).astype(np.float64)
+        bits = (fa * fb).astype(np.float32).view(_U32)  # bf16 x bf16 is exact in float64
+        rounded = (bits.astype(np.uint64) + 0x7FFF + ((bits >> _U32(16)) & _U32(1))) >> np.uint64(16)
+        out |= (rounded.astype(_U32) & _U32(0xFFFF)) << _U32(shift)
+    return out
+
+
 _OPS = {
+    "mov.b32": lambda a: a,
+    "mul.rn.bf16x2": _mul_bf16x2,
     "and.b32": lambda a, b: a & b,
     "or.b32": lambda a, b: a | b,
     "xor.b32": lambda a, b: a ^ b,
