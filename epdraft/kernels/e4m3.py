@@ -14,7 +14,8 @@ and the same for bytes 2 and 3 (0xB3A2): six integer ops and two bf16 multiplies
 (a quarter of the ALU's rate on sm_90). The multiply sits in the asm: a bf16 multiply in Triton
 after it would stop the dot operand's register layout from reaching the tile's load (a round trip
 through shared memory). One difference from the conversion: e4m3fn's NaN (0x7F, 0xFF) reads as
-+-480, not NaN; checkpoints hold none (quantizers clamp to +-448).
++-480, not NaN; checkpoints hold none (quantizers clamp to +-448), and experts kept for the
+kernels are refused at load when they do (`count_nan_codes`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ def e4m3_bits_to_bf16(codes: torch.Tensor) -> torch.Tensor:
     """Torch mirror of `E4M3_PTX`'s bit placement per byte: uint8 e4m3 bit patterns -> bf16 of value * 2**-120."""
     c = codes.to(torch.int32)
     return ((((c & 0x7F) << 4) | ((c & 0x80) << 8)).to(torch.int16)).view(torch.bfloat16)
+
+
+def count_nan_codes(values: torch.Tensor) -> int:
+    """How many e4m3fn NaN codes (0x7F, 0xFF) `values` (float8_e4m3fn or its uint8 bytes) holds: the
+    kernels' decode reads them as +-480, so experts kept for the kernels are refused when they hold any."""
+    return int(((values.view(torch.uint8) & 0x7F) == 0x7F).sum())
 
 
 def dequantize_e4m3_bits(codes: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,9 @@ from torch import nn
 
 from epdraft.config.ffn import ActivationSpec
 from epdraft.config.quant import QuantSpec
+from epdraft.errors import LoadError
 from epdraft.kernels import fused_experts
+from epdraft.kernels.e4m3 import count_nan_codes
 from epdraft.kernels.weights import ExpertWeights
 from epdraft.layers.experts import experts_reference
 from epdraft.loading import ExpertShard
@@ -140,11 +142,19 @@ class RoutedExperts(nn.Module):
         return (ExpertWeights(self.w13.data, self.w13_scale.data, q.method, q.block, self.w13_packing),
                 ExpertWeights(self.w2.data, self.w2_scale.data, q.method, q.block, self.w2_packing))
 
-    def pack_for_kernels(self) -> None:
+    def pack_for_kernels(self, name: str = "experts") -> None:
         """Once loaded, on CUDA: MXFP4 weights whose scales allow it (every e8m0 exponent <= 128) are
         re-laid for the fused kernels' table-free decode (`ExpertWeights.shift_packed`), the same
-        weights read with fewer instructions. Reads the largest scales to the host: not for a captured step."""
-        if self.quantization is None or self.quantization.method != "mxfp4" or self.w13.device.type != "cuda":
+        weights read with fewer instructions; FP8 weights holding a NaN code are refused (LoadError
+        naming `name`, the module's path): the kernels' decode would read it as +-480, not NaN, and
+        the step's NaN guard would never see it. Reads to the host: not for a captured step."""
+        if self.quantization is None or self.w13.device.type != "cuda":
+            return
+        if self.quantization.method == "fp8":
+            for label, w in (("w13 (gate/up)", self.w13), ("w2 (down)", self.w2)):
+                if bad := count_nan_codes(w.data):
+                    raise LoadError(f"{name}.{label}: {bad} of {w.numel()} FP8 e4m3 values are NaN, expected finite "
+                                    "weights (the fused kernels cannot run them)")
             return
         w13, w2 = (w.shift_packed() for w in self.weights())
         self.w13.data, self.w13_packing = w13.values, w13.packing

@@ -49,16 +49,17 @@ def load_draft(
     again). The family comes from `DRAFT_FAMILIES[spec.kind]`; `dispatcher` places and connects
     the MoE layers (None: every expert here). Raises ConfigError for a config the runtime cannot
     run, LoadError for a missing tensor or a wrong shape (naming them). MXFP4 experts kept for the
-    CUDA kernels are then re-laid for their table-free decode (`RoutedExperts.pack_for_kernels`).
+    CUDA kernels are then re-laid for their table-free decode, FP8 ones holding a NaN refused
+    (`RoutedExperts.pack_for_kernels`).
     """
     path = Path(path)
     spec = spec if spec is not None else read_draft_spec(path)
     model = DRAFT_FAMILIES[spec.kind](spec, dtype=dtype, device=device, dispatcher=dispatcher)
     # a quantized export (quantization_config) is dequantized to `dtype` as it is read
     load_draft_weights(model, quantized_source(open_checkpoint(path), spec.ffn, dtype), origin=str(path))
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, RoutedExperts):
-            module.pack_for_kernels()
+            module.pack_for_kernels(name)
     return model.eval()
 
 

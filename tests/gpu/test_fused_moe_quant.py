@@ -230,3 +230,23 @@ def test_draft_moe_keeps_quantized_experts_on_cuda(fmt):
         packed = (held.experts.w13_packing, held.experts.w2_packing)
         assert packed == (("shift", "shift") if fmt == "mxfp4" else ("nibbles", "nibbles"))
         assert torch.equal(held(x), out)
+
+
+def test_fp8_experts_holding_a_nan_are_refused_naming_the_module():
+    """The kernels' e4m3 decode reads NaN codes as +-480, which the step's NaN guard never sees, so
+    `pack_for_kernels` refuses FP8 experts holding one, naming the module and the tensor."""
+    from epdraft.config.ffn import ActivationSpec
+    from epdraft.config.quant import QuantSpec
+    from epdraft.errors import LoadError
+    from epdraft.layers.routed_experts import RoutedExperts
+    from epdraft.loading import ExpertShard
+
+    shard = ExpertShard(num_experts=2, intermediate_size=128, hidden_size=128)
+    experts = RoutedExperts(shard, ActivationSpec(), device="cuda",
+                            quantization=QuantSpec(method="fp8", block=(128, 128)))
+    experts.w13.data.view(torch.uint8).fill_(0x38)  # 1.0
+    experts.w2.data.view(torch.uint8).fill_(0x38)
+    experts.pack_for_kernels("layers.1.mlp.experts")  # finite: accepted
+    experts.w2.data.view(torch.uint8)[1, 5, 7] = 0xFF
+    with pytest.raises(LoadError, match=r"layers\.1\.mlp\.experts\.w2 \(down\): 1 of 32768 FP8 e4m3 values are NaN"):
+        experts.pack_for_kernels("layers.1.mlp.experts")

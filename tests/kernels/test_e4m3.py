@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from epdraft.kernels.e4m3 import E4M3_CONSTRAINTS, E4M3_PTX, dequantize_e4m3_bits, e4m3_bits_to_bf16
+from epdraft.kernels.e4m3 import E4M3_CONSTRAINTS, E4M3_PTX, count_nan_codes, dequantize_e4m3_bits, e4m3_bits_to_bf16
 from tests.kernels.ptx_emulator import run_elementwise, run_ptx
 
 
@@ -41,3 +41,11 @@ def test_emulator_bf16_multiply_rounds_to_nearest_even_and_keeps_subnormals():
     assert mul(0x0001, 0x4300) == 0x0080  # 2**-133 (a subnormal) * 128 = 2**-126
     assert mul(0x3F81, 0x3F81) == 0x3F82  # 1.0078125**2 = 1.01568...: nearest bf16 is 1.015625
     assert run_ptx("mov.b32 $0, 0x7B807B80;", 1, [np.uint32(0)])[0] == 0x7B807B80
+
+
+def test_nan_codes_are_counted_as_torch_reads_them():
+    codes = torch.arange(256, dtype=torch.uint8)
+    assert count_nan_codes(codes) == int(_conversion(codes).isnan().sum()) == 2
+    values = torch.tensor([1.0, -448.0, 0.0], dtype=torch.float8_e4m3fn)
+    assert count_nan_codes(values) == 0
+    assert count_nan_codes(torch.cat([values.view(torch.uint8), torch.tensor([0xFF], dtype=torch.uint8)])) == 1
