@@ -113,9 +113,14 @@ class DraftMoE(nn.Module):
 
         Returns the names accounted for (copied here, or other ranks' experts); other layers' and
         unknown names are ignored. Raises LoadError on a shape mismatch, naming the tensor and both
-        shapes, and on a tensor the config has no place for.
+        shapes, and on a tensor the config has no place for. Experts re-laid for the kernels
+        (`RoutedExperts.pack_for_kernels`) are loaded in checkpoint order and re-laid again after.
         """
-        return load_into(self, named_tensors, self.layer_id)
+        packed = self.experts.unpack_for_loading()
+        names = load_into(self, named_tensors, self.layer_id)
+        if packed:
+            self.experts.pack_for_kernels(f"layers.{self.layer_id}.mlp.experts")
+        return names
 
     def check_loaded(self) -> None:
         """Raise LoadError listing every tensor this layer still lacks (this rank's experts only)."""

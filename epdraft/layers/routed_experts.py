@@ -12,6 +12,7 @@ from epdraft.config.ffn import ActivationSpec
 from epdraft.config.quant import QuantSpec
 from epdraft.errors import LoadError
 from epdraft.kernels import fused_experts
+from epdraft.kernels.e2m1 import shift_unpack
 from epdraft.kernels.e4m3 import count_nan_codes
 from epdraft.kernels.weights import ExpertWeights
 from epdraft.layers.experts import experts_reference
@@ -159,6 +160,15 @@ class RoutedExperts(nn.Module):
         w13, w2 = (w.shift_packed() for w in self.weights())
         self.w13.data, self.w13_packing = w13.values, w13.packing
         self.w2.data, self.w2_packing = w2.values, w2.packing
+
+    def unpack_for_loading(self) -> bool:
+        """Put shift-packed MXFP4 bytes back in checkpoint order, so that tensors loaded into them land
+        where the loader expects; True when they were packed (the caller packs them again after)."""
+        if "shift" not in (self.w13_packing, self.w2_packing):
+            return False
+        self.w13.data, self.w2.data = shift_unpack(self.w13.data), shift_unpack(self.w2.data)
+        self.w13_packing = self.w2_packing = "nibbles"
+        return True
 
     def forward(self, rows_RH: torch.Tensor, ids_RK: torch.Tensor, weights_RK: torch.Tensor) -> torch.Tensor:
         """rows_RH [R, H], ids_RK [R, K] local ids (-1 = skip), weights_RK [R, K] fp32 -> [R, H]."""

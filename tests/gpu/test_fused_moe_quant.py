@@ -230,6 +230,10 @@ def test_draft_moe_keeps_quantized_experts_on_cuda(fmt):
         packed = (held.experts.w13_packing, held.experts.w2_packing)
         assert packed == (("shift", "shift") if fmt == "mxfp4" else ("nibbles", "nibbles"))
         assert torch.equal(held(x), out)
+        # a reload into re-laid experts lands in checkpoint order and is re-laid again
+        held.load_weights(QuantizedSource(tensors, quant, torch.bfloat16, transposed_stacked=False))
+        assert (held.experts.w13_packing, held.experts.w2_packing) == packed
+        assert torch.equal(held(x), out)
 
 
 def test_fp8_experts_holding_a_nan_are_refused_naming_the_module():
