@@ -113,12 +113,12 @@ class DraftMoE(nn.Module):
 
         Returns the names accounted for (copied here, or other ranks' experts); other layers' and
         unknown names are ignored. Raises LoadError on a shape mismatch, naming the tensor and both
-        shapes, and on a tensor the config has no place for. Experts re-laid for the kernels
-        (`RoutedExperts.pack_for_kernels`) are loaded in checkpoint order and re-laid again after.
+        shapes, and on a tensor the config has no place for. Experts already prepared for the
+        kernels (`RoutedExperts.pack_for_kernels`) are loaded in checkpoint order and prepared again after.
         """
-        packed = self.experts.unpack_for_loading()
+        prepared = self.experts.unpack_for_loading()
         names = load_into(self, named_tensors, self.layer_id)
-        if packed:
+        if prepared:
             self.experts.pack_for_kernels(f"layers.{self.layer_id}.mlp.experts")
         return names
 

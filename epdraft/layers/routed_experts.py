@@ -109,6 +109,7 @@ class RoutedExperts(nn.Module):
         self.w13_scale: nn.Parameter | None = None
         self.w2_scale: nn.Parameter | None = None
         self.w13_packing = self.w2_packing = "nibbles"
+        self.prepared_for_kernels = False  # `pack_for_kernels` ran: a reload runs it again
         if quantization is None:
             self.w13 = nn.Parameter(torch.empty(e, 2 * F_, H, **kw), requires_grad=False)
             self.w2 = nn.Parameter(torch.empty(e, H, F_, **kw), requires_grad=False)
@@ -156,19 +157,22 @@ class RoutedExperts(nn.Module):
                 if bad := count_nan_codes(w.data):
                     raise LoadError(f"{name}.{label}: {bad} of {w.numel()} FP8 e4m3 values are NaN, expected finite "
                                     "weights (the fused kernels cannot run them)")
-            return
-        w13, w2 = (w.shift_packed() for w in self.weights())
-        self.w13.data, self.w13_packing = w13.values, w13.packing
-        self.w2.data, self.w2_packing = w2.values, w2.packing
+        else:
+            w13, w2 = (w.shift_packed() for w in self.weights())
+            self.w13.data, self.w13_packing = w13.values, w13.packing
+            self.w2.data, self.w2_packing = w2.values, w2.packing
+        self.prepared_for_kernels = True
 
     def unpack_for_loading(self) -> bool:
         """Put shift-packed MXFP4 bytes back in checkpoint order, so that tensors loaded into them land
-        where the loader expects; True when they were packed (the caller packs them again after)."""
-        if "shift" not in (self.w13_packing, self.w2_packing):
-            return False
-        self.w13.data, self.w2.data = shift_unpack(self.w13.data), shift_unpack(self.w2.data)
-        self.w13_packing = self.w2_packing = "nibbles"
-        return True
+        where the loader expects; True when `pack_for_kernels` had run (the caller runs it again after
+        the load: the re-lay, and FP8's NaN check on what was loaded)."""
+        if self.w13_packing == "shift":
+            self.w13.data, self.w13_packing = shift_unpack(self.w13.data), "nibbles"
+        if self.w2_packing == "shift":
+            self.w2.data, self.w2_packing = shift_unpack(self.w2.data), "nibbles"
+        prepared, self.prepared_for_kernels = self.prepared_for_kernels, False
+        return prepared
 
     def forward(self, rows_RH: torch.Tensor, ids_RK: torch.Tensor, weights_RK: torch.Tensor) -> torch.Tensor:
         """rows_RH [R, H], ids_RK [R, K] local ids (-1 = skip), weights_RK [R, K] fp32 -> [R, H]."""

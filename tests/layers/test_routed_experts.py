@@ -21,9 +21,11 @@ def test_fused_dtypes_on_cuda_and_cpu_give_no_reason(device, dtype):
     assert reference_fallback_reason(device, dtype) is None
 
 
-def test_shift_packed_mxfp4_experts_go_back_to_checkpoint_order_for_loading():
+@pytest.mark.parametrize("scale_w2", [127, 130])  # 130: w2's scales stop its re-lay, w13 alone is packed
+def test_shift_packed_mxfp4_experts_go_back_to_checkpoint_order_for_loading(scale_w2):
     """A load into experts re-laid for the kernels' shift decode must land in checkpoint order:
-    `unpack_for_loading` restores the bytes exactly and says they were packed (once)."""
+    `unpack_for_loading` restores every packed tensor's bytes exactly, leaves an unpacked one alone,
+    and says whether `pack_for_kernels` had run (once)."""
     from epdraft.config.quant import QuantSpec
     from epdraft.loading import ExpertShard
 
@@ -33,13 +35,17 @@ def test_shift_packed_mxfp4_experts_go_back_to_checkpoint_order_for_loading():
     for w in (experts.w13, experts.w2):
         w.data.copy_(torch.randint(0, 256, w.shape, dtype=torch.uint8, generator=gen))
     experts.w13_scale.data.fill_(127)
-    experts.w2_scale.data.fill_(127)
+    experts.w2_scale.data.fill_(scale_w2)
     stored = experts.w13.data.clone(), experts.w2.data.clone()
     assert not experts.unpack_for_loading()
-    w13, w2 = (w.shift_packed() for w in experts.weights())  # what pack_for_kernels does on CUDA
-    assert w13.packing == w2.packing == "shift" and not torch.equal(w13.values, stored[0])
+    # what pack_for_kernels does on CUDA
+    w13, w2 = (w.shift_packed() for w in experts.weights())
+    assert w13.packing == "shift" and not torch.equal(w13.values, stored[0])
+    assert w2.packing == ("shift" if scale_w2 <= 128 else "nibbles")
     experts.w13.data, experts.w13_packing = w13.values, w13.packing
     experts.w2.data, experts.w2_packing = w2.values, w2.packing
+    experts.prepared_for_kernels = True
     assert experts.unpack_for_loading()
     assert torch.equal(experts.w13.data, stored[0]) and torch.equal(experts.w2.data, stored[1])
     assert (experts.w13_packing, experts.w2_packing) == ("nibbles", "nibbles")
+    assert not experts.unpack_for_loading()
