@@ -39,6 +39,9 @@ POINTERS = {
 ALIGNED = {"F", "H", "stride_xt", "stride_we", "stride_wn", "stride_wh", "stride_se", "stride_sn", "stride_sh",
            "stride_be", "stride_hm", "stride_ps", "stride_os", "stride_om"}  # fmt: skip
 FLOATS = {"limit", "alpha"}
+# Strides the launches pass as 1 (x contiguous along H): Triton's JIT specialises an integer argument equal
+# to 1 into a constant, and without that a tile along it is loaded one element at a time.
+UNIT = {"stride_xh"}
 
 UP = dict(TOP_K=2, ACT=0, HAS_LIMIT=False, HAS_BIAS=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
           W_FMT=0, QBN=1, QBK=1, MXFP4_DOT_SCALED=False, W_TMA=False, PDL=False)
@@ -84,6 +87,7 @@ CASES = [
 def sass(fn, constexprs: dict, num_warps: int, num_stages: int, out_type: str) -> tuple[str, list[str]]:
     """The kernel's SASS without addresses and encodings (equal text means equal machine code), and
     its main loop's instructions."""
+    constexprs = {**{name: 1 for name in UNIT if name in fn.arg_names}, **constexprs}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
