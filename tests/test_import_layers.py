@@ -91,6 +91,13 @@ def test_no_two_packages_import_each_other():
     assert not mutual, f"packages importing each other: {mutual}"
 
 
+def test_kernels_import_only_errors():
+    """Kernels take plain ints and tensors: no config Struct, loader, layer or model reaches them,
+    so a kernel family is usable (and testable) without the rest of the package."""
+    bad = [f"{f}:{line}: kernels imports {t}" for f, line, u, t in _edges() if u == "kernels" and t != "errors"]
+    assert not bad, "kernels importing packages other than errors:\n" + "\n".join(bad)
+
+
 def test_the_walk_sees_upward_and_function_level_imports(tmp_path):
     """The checker itself: an import inside a function and a relative import are both found."""
     path = PACKAGE / "layers" / "moe.py"

@@ -15,8 +15,8 @@ import argparse
 import itertools
 import torch
 
-from epdraft.kernels import attention
-from epdraft.kernels.tuning import calls_us
+from epdraft.kernels.step import attention
+from epdraft.bench.tune import calls_us
 
 HBM = 4.3e12
 H, G_KV, B, D = 32, 8, 16, 128

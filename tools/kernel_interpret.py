@@ -106,7 +106,7 @@ def _patch_interpreter() -> None:
 
 def _aligned(ids_TK: torch.Tensor, num_experts: int, block_m: int):
     """AlignedPairs built in Python: each expert's pairs in order, padded to block_m with num_pairs."""
-    from epdraft.kernels.align import AlignedPairs
+    from epdraft.kernels.experts.align import AlignedPairs
 
     ids = ids_TK.reshape(-1).tolist()
     rows, labels = [], []
@@ -125,8 +125,8 @@ def _aligned(ids_TK: torch.Tensor, num_experts: int, block_m: int):
 
 
 def _run(x, ids, weights, q13, q2, act, up_split, down_split, upcast):
-    from epdraft.kernels.fused_moe import down_combine, up_act
-    from epdraft.kernels.tuning import DownConfig, UpConfig
+    from epdraft.kernels.experts.fused import down_combine, up_act
+    from epdraft.kernels.experts.tables import DownConfig, UpConfig
 
     aligned = _aligned(ids, q13.shape[0], 16)
     h = up_act(x, aligned, q13, None, act, UpConfig(block_n=32, block_k=64, split_k=up_split), upcast)
@@ -139,7 +139,8 @@ def main() -> None:
         raise SystemExit("run with TRITON_INTERPRET=1 (see the module docstring)")
     _patch_interpreter()
     from epdraft.config.ffn import ActivationSpec
-    from epdraft.kernels.tuning import quantize_weights, random_routing
+    from epdraft.bench.tune import random_routing
+    from epdraft.loading.quant import dequantize_weights, quantize_weights
     from epdraft.layers.experts import experts_reference
 
     E, I, H, K, T = 4, 128, 256, 2, 20
@@ -155,7 +156,7 @@ def main() -> None:
     worst = 0.0
     for fmt in ("bf16", "fp8", "mxfp4"):
         q13, q2 = quantize_weights(w13, fmt), quantize_weights(w2, fmt)
-        ref = experts_reference(x, ids, weights, q13.dequantized(torch.float32), q2.dequantized(torch.float32), act)
+        ref = experts_reference(x, ids, weights, dequantize_weights(q13, torch.float32), dequantize_weights(q2, torch.float32), act)
         for up_split, down_split in splits:
             y = _run(x, ids, weights, q13, q2, act, up_split, down_split, "dot_scaled")
             err = ((y - ref).abs().max() / ref.abs().mean()).item()
@@ -168,7 +169,7 @@ def main() -> None:
     # another summation order) and against the bf16 reference (DESIGN.md's drift bound)
     xb = x.to(torch.bfloat16)
     q13, q2 = quantize_weights(w13, "mxfp4"), quantize_weights(w2, "mxfp4")
-    ref = experts_reference(xb, ids, weights, q13.dequantized(torch.bfloat16), q2.dequantized(torch.bfloat16), act)
+    ref = experts_reference(xb, ids, weights, dequantize_weights(q13, torch.bfloat16), dequantize_weights(q2, torch.bfloat16), act)
     scale = ref.float().abs().mean().item()
     print(f"{'mxfp4 (bf16 x)':18s} {'split up/down':>13s} {'bits vs dot_scaled':>19s} {'bits vs reference':>18s}")
     for up_split, down_split in splits:

@@ -17,7 +17,7 @@ OUT=${OUT:-./kernel-perf}
 TABLES=${TABLES:-/tmp/tables}
 mkdir -p "$OUT" "$TABLES"
 . "$(dirname "$0")/device_env.sh" || exit 1
-[ -n "$(ls -A "$TABLES")" ] || cp epdraft/kernels/configs/*.json "$TABLES"/
+[ -n "$(ls -A "$TABLES")" ] || cp epdraft/kernels/experts/configs/*.json "$TABLES"/
 LOG=$OUT/kernel-perf.log
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | tee -a "$LOG"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$LOG"
@@ -37,7 +37,7 @@ for phase in "$@"; do
       tar -cf "$OUT/tables.tar" -C "$TABLES" . ;;
     bench:*)
       IFS=: read -r _ which shapes <<< "$phase"
-      dir=epdraft/kernels/configs; [ "$which" = tuned ] && dir=$TABLES
+      dir=epdraft/kernels/experts/configs; [ "$which" = tuned ] && dir=$TABLES
       timeout "${BENCH_TIMEOUT:-240}" python3 -m epdraft.cli bench kernel --shapes "${shapes:-A,B,C,D}" \
         --weights "${BENCH_WEIGHTS:-bf16}" --config-dir "$dir" --json "$OUT/bench-$which.jsonl" 2>&1 | tee -a "$LOG" ;;
     *) echo "unknown phase $phase" | tee -a "$LOG"; exit 2 ;;

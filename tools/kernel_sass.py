@@ -1,6 +1,6 @@
 """Fingerprint the fused-experts GEMM kernels' sm_90 machine code, compiled on this (CPU) machine.
 
-A refactor of `epdraft/kernels/_triton.py` that should not change the generated code (helpers,
+A refactor of `epdraft/kernels/experts/_triton.py` that should not change the generated code (helpers,
 renames) is proven so without a GPU: run this before and after, each with a fresh Triton cache,
 and compare the hashes. Any line that differs needs a GPU run (tools/kernel_perf.sh).
 
@@ -28,7 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from epdraft.kernels import _triton as kernels
+from epdraft.kernels.experts import _triton as kernels
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 POINTERS = {
@@ -49,7 +49,7 @@ DOWN = dict(HAS_BIAS=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=128, BLO
             MXFP4_DOT_SCALED=False, W_TMA=False, PDL=False)
 FP8 = dict(W_FMT=1, QBN=128, QBK=128)
 MXFP4 = dict(W_FMT=2, MXFP4_DOT_SCALED=True)  # through tl.dot_scaled (issue 15's first path)
-BITS = dict(W_FMT=2, MXFP4_DOT_SCALED=False)  # the bits path (epdraft.kernels.e2m1)
+BITS = dict(W_FMT=2, MXFP4_DOT_SCALED=False)  # the bits path (epdraft.kernels.experts.e2m1)
 SHIFT = dict(W_FMT=3, MXFP4_DOT_SCALED=False)  # the bits path on shift-packed bytes (no tables)
 QUANT_POINTERS = {1: {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, 2: {"w_ptr": "*u8", "s_ptr": "*u8"},
                   3: {"w_ptr": "*u8", "s_ptr": "*u8"}}

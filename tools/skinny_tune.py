@@ -23,8 +23,9 @@ import json
 import torch
 import torch.nn.functional as F
 
-from epdraft.kernels import launch, skinny
-from epdraft.kernels.tuning import calls_us
+from epdraft.kernels import launch
+from epdraft.kernels.step import skinny
+from epdraft.bench.tune import calls_us
 
 HBM = 4.3e12
 COPIES, CALLS = 4, 24

@@ -1,4 +1,4 @@
-"""Run the draft step's Triton launches (`epdraft.kernels.step_ops`, `epdraft.kernels.skinny`, the
+"""Run the draft step's Triton launches (`epdraft.kernels.step.ops`, `epdraft.kernels.step.skinny`, the
 block attention) on CPU under Triton's interpreter, against the torch code they replace.
 
 The arithmetic and addressing check for a machine without a GPU (fp32 only: the interpreter's
@@ -35,8 +35,8 @@ def main() -> None:
 
     _patch_interpreter()
     from epdraft.config.ffn import ActivationSpec, RouterSpec
-    from epdraft.kernels import skinny, step_ops
-    from epdraft.kernels.attention import _launch, block_attention_reference
+    from epdraft.kernels.step import ops as step_ops, skinny
+    from epdraft.kernels.step.attention import _launch, block_attention_reference
     from epdraft.layers.activations import gated_act
     from epdraft.layers.routing import route
     from epdraft.models.attention import DFlashAttention, RMSNorm, apply_rope, rope_cos_sin

@@ -17,7 +17,8 @@ import torch
 import msgspec
 
 from epdraft.bench import kernel as bench
-from epdraft.kernels.tuning import CONFIG_DIR, MoeKernelConfig, load_table, quantize_weights, save_table
+from epdraft.kernels.experts.tables import CONFIG_DIR, MoeKernelConfig, load_table, save_table
+from epdraft.loading.quant import dequantize_weights, quantize_weights
 
 
 def main() -> None:
@@ -41,7 +42,7 @@ def main() -> None:
         w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I**-0.5).bfloat16()
         for fmt in args.weights.split(","):
             q = (quantize_weights(w13, fmt), quantize_weights(w2, fmt))
-            ref = None if fmt == "bf16" else (q[0].dequantized(torch.bfloat16), q[1].dequantized(torch.bfloat16))
+            ref = None if fmt == "bf16" else (dequantize_weights(q[0], torch.bfloat16), dequantize_weights(q[1], torch.bfloat16))
             for T in (int(t) for t in args.tokens.split(",")):
                 a, b = (bench._bench_one(shape, T, q, torch.bfloat16, tables, ref) for tables in (threads, tma))
                 print(f"{shape:>5} {T:>5} {fmt:>7} {a['fused_us']:>10.1f} {b['fused_us']:>8.1f} "

@@ -31,21 +31,13 @@ import torch
 
 from epdraft.config.ffn import ActivationSpec
 from epdraft.errors import ConfigError
-from epdraft.kernels.tuning import (
-    CONFIG_DIR,
-    config_file_name,
-    fit_format,
-    get_config,
-    graph_us,
-    quantize_weights,
-    random_routing,
-    save_table,
-    tune,
-)
-from epdraft.kernels.fused_moe import MXFP4_UPCAST
-from epdraft.kernels.weights import ExpertWeights
+from epdraft.bench.tune import graph_us, random_routing, tune
+from epdraft.kernels.experts.fused import MXFP4_UPCAST
+from epdraft.kernels.experts.tables import CONFIG_DIR, config_file_name, fit_format, get_config, save_table
+from epdraft.kernels.experts.weights import ExpertWeights
 from epdraft.layers.activations import gated_act
 from epdraft.layers.experts import experts_reference
+from epdraft.loading.quant import dequantize_weights, quantize_weights
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +120,8 @@ def _bench_one(name: str, num_tokens: int, weights: tuple[ExpertWeights, ExpertW
     None for bf16 rows, which also time grouped_mm and the reference loop. `upcast`: MXFP4's."""
     from triton.testing import do_bench
 
-    from epdraft.kernels.align import align_pairs
-    from epdraft.kernels.fused_moe import down_combine, fused_experts_with_config, up_act
+    from epdraft.kernels.experts.align import align_pairs
+    from epdraft.kernels.experts.fused import down_combine, fused_experts_with_config, up_act
 
     E, I, H, K = SHAPES[name]
     w13, w2 = weights
@@ -257,7 +249,7 @@ def main(args: argparse.Namespace) -> int:
         for variant in variants:
             fmt, upcast, packing = VARIANTS[variant]
             q13, q2 = stored[fmt]
-            reference = None if fmt == "bf16" else (q13.dequantized(dtype), q2.dequantized(dtype))
+            reference = None if fmt == "bf16" else (dequantize_weights(q13, dtype), dequantize_weights(q2, dtype))
             if packing == "shift":
                 q13, q2 = q13.shift_packed(), q2.shift_packed()
             for num_tokens in tokens:

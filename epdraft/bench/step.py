@@ -273,7 +273,7 @@ def _attention_table(spec, requests: list[int], contexts: list[int], args, devic
     gathered) and SDPA with the gather a pool needs, against the K/V bytes it must read (its floor)."""
     import torch._dynamo
 
-    from epdraft.kernels.attention import block_attention, block_attention_reference
+    from epdraft.kernels.step.attention import block_attention, block_attention_reference
 
     h, g, D, B = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size
     print(f"block attention, one layer: h {h}, g {g}, D {D}, B {B}, bf16")
@@ -327,7 +327,7 @@ def _flex_us(q_NhBD, k_NgSD, v_NgSD, lens_N, args) -> tuple[float | None, float 
     request n), the contract of `block_attention_reference`; compiled with static shapes on the
     first call, checked against the reference before any timing.
     """
-    from epdraft.kernels.attention import block_attention_reference
+    from epdraft.kernels.step.attention import block_attention_reference
 
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention

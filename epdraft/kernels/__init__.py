@@ -1,12 +1,12 @@
-"""Triton kernels on CUDA: the routed experts (`fused_experts`) and their tuned launch configs, the
-draft step's block attention (`attention`), its small fused ops (`step_ops`) and its dense
-projections at few rows (`skinny`).
+"""Triton kernels on CUDA, one folder per family; plain tensors and ints in, no config objects.
 
-Importing this package imports neither Triton nor touches CUDA: each kernels module is loaded the
-first time one of its kernels launches.
+    experts/   the routed experts: fused kernels on bf16 / FP8 / MXFP4 storage, the pair alignment,
+               the weight formats and their integer decodes, the tuned launch tables
+    step/      the draft step's ops: norms, q/k norm + rotary + KV-pool write, router launches,
+               activations, skinny projections, block attention
+    launch.py  what every launch shares (PDL, tile sizing)
+
+Which family runs for a rank is decided once, by `epdraft.models.step_kernels.StepKernels`; each family
+says why it cannot run (`unsupported_reason`). Importing this package imports neither Triton nor
+touches CUDA: a kernel module is loaded the first time one of its kernels launches.
 """
-
-from epdraft.kernels.fused_moe import fused_experts
-from epdraft.kernels.tuning import MoeKernelConfig, get_config
-
-__all__ = ["MoeKernelConfig", "fused_experts", "get_config"]

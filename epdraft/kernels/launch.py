@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the draft step's Triton kernels.
+"""How every family's Triton kernels launch: programmatic dependent launch (PDL), tile sizes.
 
 Inside a CUDA graph each of the step's ~120 kernels still starts a microsecond or two after the one
 before it ends, and a memory-bound kernel then ramps up before it streams at full rate: at N = 1
@@ -11,6 +11,7 @@ dependent access, so "kernel k finished" still implies "every kernel before k fi
 order that torch's caching allocator and the step's buffers rely on holds.
 
 `kwargs(device)` is what a launch adds: `PDL` (the kernels' constexpr) and Triton's `launch_pdl`.
+`next_pow2` rounds a size up to the power-of-two tiles Triton takes.
 """
 
 from __future__ import annotations
@@ -57,3 +58,8 @@ def pdl_off() -> Iterator[None]:
         yield
     finally:
         _enabled = before
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (Triton tile and grid sizes)."""
+    return 1 << max(0, (n - 1).bit_length())

@@ -9,7 +9,7 @@ from torch import nn
 
 from epdraft.dispatch.plan import StepPlan
 from epdraft.config.ffn import ActivationSpec
-from epdraft.kernels.step_ops import ffn_residual, use_kernels
+from epdraft.kernels.step.ops import ffn_residual, use_kernels
 from epdraft.layers.projection import gate_up, project
 from epdraft.loading import TensorSource, check_ffn_loaded, load_into
 

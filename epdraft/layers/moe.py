@@ -9,7 +9,7 @@ from torch import nn
 
 from epdraft.config.ffn import DraftMoeFFNSpec
 from epdraft.dispatch import Dispatcher, MoeLayout, ReplicatedDispatcher, StepPlan
-from epdraft.kernels.step_ops import ffn_residual, use_kernels
+from epdraft.kernels.step.ops import ffn_residual, use_kernels
 from epdraft.layers.mlp import DraftMLP, gate_output
 from epdraft.layers.routed_experts import RoutedExperts, experts_storage
 from epdraft.layers.router import Router

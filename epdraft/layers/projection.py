@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from epdraft.config.ffn import ActivationSpec
-from epdraft.kernels import skinny, step_ops
+from epdraft.kernels.step import ops as step_ops, skinny
 from epdraft.layers.activations import gated_act
 
 

@@ -11,12 +11,13 @@ from torch import nn
 from epdraft.config.ffn import ActivationSpec
 from epdraft.config.quant import QuantSpec
 from epdraft.errors import LoadError
-from epdraft.kernels import fused_experts
-from epdraft.kernels.e2m1 import shift_unpack
-from epdraft.kernels.e4m3 import count_nan_codes
-from epdraft.kernels.weights import ExpertWeights
+from epdraft.kernels.experts.fused import fused_experts
+from epdraft.kernels.experts.e2m1 import shift_unpack
+from epdraft.kernels.experts.e4m3 import count_nan_codes
+from epdraft.kernels.experts.weights import ExpertWeights
 from epdraft.layers.experts import experts_reference
 from epdraft.loading import ExpertShard
+from epdraft.loading.quant import dequantize_weights
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,10 @@ def run_experts(
     """
     if isinstance(w13_eNH, ExpertWeights):
         if rows_RH.is_cuda and rows_RH.dtype == torch.bfloat16:
-            from epdraft.kernels.fused_moe import fused_experts_quantized
+            from epdraft.kernels.experts.fused import fused_experts_quantized
 
             return fused_experts_quantized(rows_RH, ids_RK, weights_RK, w13_eNH, w2_eHF, act, b13_eN, b2_eH)
-        w13_eNH, w2_eHF = w13_eNH.dequantized(rows_RH.dtype), w2_eHF.dequantized(rows_RH.dtype)
+        w13_eNH, w2_eHF = dequantize_weights(w13_eNH, rows_RH.dtype), dequantize_weights(w2_eHF, rows_RH.dtype)
     impl = fused_experts if rows_RH.is_cuda and rows_RH.dtype in _FUSED_DTYPES else experts_reference
     return impl(rows_RH, ids_RK, weights_RK, w13_eNH, w2_eHF, act, b13_eN, b2_eH)
 
@@ -84,7 +85,7 @@ class RoutedExperts(nn.Module):
 
     With `quantization` (the checkpoint stores the experts quantized and the fused kernels can run
     them: `DraftMoeFFNSpec.quantized_kernel_reason`), w13 / w2 hold the stored values and
-    `w13_scale` / `w2_scale` their scales, in `epdraft.kernels.weights` layout (mxfp4: uint8
+    `w13_scale` / `w2_scale` their scales, in `epdraft.kernels.experts.weights` layout (mxfp4: uint8
     `[e, 2F, H/2]` + e8m0 `[e, 2F, H/32]`; fp8: e4m3 `[e, 2F, H]` + fp32 `[e, 2F/128, H/128]`);
     never cast such a module's dtype. `pack_for_kernels` (after loading) may then permute mxfp4
     bytes for the kernels' table-free decode; `w13_packing` / `w2_packing` say which layout is held.

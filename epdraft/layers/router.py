@@ -8,7 +8,7 @@ from torch import nn
 
 from epdraft.config.ffn import RouterSpec
 from epdraft.errors import ConfigError
-from epdraft.kernels.step_ops import ROUTER_KERNEL_MAX_ROWS, router_logits, topk_route, use_kernels
+from epdraft.kernels.step.ops import ROUTER_KERNEL_MAX_ROWS, router_logits, topk_route, use_kernels
 from epdraft.layers.routing import hash_route, route
 
 
@@ -19,7 +19,7 @@ class Router(nn.Module):
     `spec.bias != "none"`): the logits are computed in fp32 so every rank and every
     implementation picks the same experts on near-ties. On CUDA outside autograd the logits,
     selection and weights are 2 launches up to `ROUTER_KERNEL_MAX_ROWS` rows
-    (`epdraft.kernels.step_ops.router_logits`, `topk_route`) where x's fp32 cast, cuBLAS's fp32
+    (`epdraft.kernels.step.ops.router_logits`, `topk_route`) where x's fp32 cast, cuBLAS's fp32
     GEMM, its split-K reduce and the top-k launch made 4 (5 with a logit bias's add); above it
     cuBLAS's fp32 logits go into `topk_route`. Group-limited and hash routing keep the torch chain,
     which stays the reference of those launches. A hash-routed router also holds

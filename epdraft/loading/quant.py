@@ -1,5 +1,5 @@
 """MXFP4 and block-scaled FP8 weights: dequantization (the reference every quantized kernel is held
-against) and the quantizers that make test checkpoints.
+against, also of the kernels' `ExpertWeights`) and the quantizers that make test checkpoints.
 
 Formats (see `epdraft.config.quant`): MXFP4 packs two e2m1 values per byte, element 2j in the low
 nibble and 2j+1 in the high one, 16 bytes per group of 32 that share one e8m0 exponent s
@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 
 from epdraft.config.quant import MXFP4_GROUP
+from epdraft.kernels.experts.e2m1 import shift_unpack
+from epdraft.kernels.experts.weights import ExpertWeights
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """The 16 e2m1 codes: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0."""
@@ -98,3 +100,30 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Te
     scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
     full = expand_block_scales(scale, block, slice(0, N), slice(0, K))
     return (weight.float() / full).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_weights(w: ExpertWeights, dtype: torch.dtype) -> torch.Tensor:
+    """[e, N, K] in `dtype` of expert weights as the fused kernels hold them (any packing): the
+    reference the kernels are held against, and the experts' weights where the kernels cannot run."""
+    if w.format == "bf16":
+        return w.values.to(dtype)
+    if w.format == "fp8":
+        return dequantize_fp8(w.values, w.scales, w.block, dtype)
+    e, N, k = w.values.shape
+    values = shift_unpack(w.values) if w.packing == "shift" else w.values
+    return dequantize_mxfp4(values.view(e, N, k // 16, 16), w.scales, dtype)
+
+
+def quantize_weights(w: torch.Tensor, weights: str) -> ExpertWeights:
+    """`w` [e, N, K] as `ExpertWeights` in format `weights` ("bf16", "fp8" with 128 x 128 blocks, or
+    "mxfp4"), by the quantizers above: random expert sets for the kernels' tests, tuner and bench."""
+    if weights == "bf16":
+        return ExpertWeights(w)
+    # one expert at a time: the quantizers' fp32 temporaries of a whole C/D weight would not fit
+    if weights == "fp8":
+        parts = [quantize_fp8(w[i], (128, 128)) for i in range(w.shape[0])]
+        return ExpertWeights(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]), "fp8", (128, 128))
+    parts = [quantize_mxfp4(w[i]) for i in range(w.shape[0])]
+    blocks = torch.stack([p[0] for p in parts])
+    e, N, G, _ = blocks.shape
+    return ExpertWeights(blocks.reshape(e, N, G * 16), torch.stack([p[1] for p in parts]), "mxfp4")

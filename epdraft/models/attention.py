@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epdraft.kernels.attention import block_attention, block_attention_reference, sliding_block_attention
-from epdraft.kernels.step_ops import qk_norm_rope_store, rms_norm, use_kernels
+from epdraft.kernels.step.attention import block_attention, block_attention_reference, sliding_block_attention
+from epdraft.kernels.step.ops import qk_norm_rope_store, rms_norm, use_kernels
 from epdraft.layers.projection import project
 
 
@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
         return self.reference(s), s
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The torch chain (CPU, and the oracle of `epdraft.kernels.step_ops.rms_norm`)."""
+        """The torch chain (CPU, and the oracle of `epdraft.kernels.step.ops.rms_norm`)."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)

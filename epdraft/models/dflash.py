@@ -20,7 +20,7 @@ from torch import nn
 
 from epdraft.dispatch import Dispatcher, StepPlan
 from epdraft.errors import ConfigError, NonFiniteError
-from epdraft.kernels.step_ops import flag_nonfinite
+from epdraft.kernels.step.ops import flag_nonfinite
 from epdraft.layers.build import build_ffn
 from epdraft.layers.mlp import DraftMLP
 from epdraft.layers.moe import DraftMoE

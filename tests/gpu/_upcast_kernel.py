@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epdraft.kernels._triton import _e2m1_to_bf16, _e4m3_to_bf16, _e8m0_to_bf16
+from epdraft.kernels.experts._triton import _e2m1_to_bf16, _e4m3_to_bf16, _e8m0_to_bf16
 
 BLOCK = 4096
 

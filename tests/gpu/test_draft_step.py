@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from epdraft.bench.step import RandomHeads, preset_config
-from epdraft.kernels.attention import block_attention, block_attention_reference
+from epdraft.kernels.step.attention import block_attention, block_attention_reference
 from epdraft.models import DFlashDraft, DraftModelSpec
 
 from tests.gpu.graph_replay import graph_vs_eager

@@ -66,7 +66,7 @@ def assert_matches(out, ref):
 
 
 def check(num_tokens, num_experts, top_k, act="swiglu", router="softmax", dtype=torch.bfloat16, seed=0):
-    from epdraft.kernels import fused_experts
+    from epdraft.kernels.experts.fused import fused_experts
 
     spec, bias = ACTS[act]
     w13, w2, b13, b2 = make_experts(num_experts, dtype, bias, seed)
@@ -106,7 +106,7 @@ def test_align_pairs_layout(num_experts, num_pairs, block_m):
 
     50000 pairs take 13 chunks of 4096 per program; 0 pairs leave every group empty.
     """
-    from epdraft.kernels.align import _sync_scratch, align_pairs
+    from epdraft.kernels.experts.align import _sync_scratch, align_pairs
 
     gen = torch.Generator(device="cuda").manual_seed(num_pairs)
     ids = torch.randint(-1, num_experts + 2, (num_pairs,), device="cuda", generator=gen)
@@ -134,7 +134,7 @@ def test_fp16(act):
 @pytest.mark.parametrize("top_k", [1, 3])
 def test_dropped_pairs(top_k):
     """-1 ids: rows of another rank's experts (gather layout) or padded rows; an all -1 row is zero."""
-    from epdraft.kernels import fused_experts
+    from epdraft.kernels.experts.fused import fused_experts
 
     w13, w2, b13, b2 = make_experts(8, torch.bfloat16, True)
     ids, weights = make_routing(300, 8, top_k)
@@ -148,7 +148,7 @@ def test_dropped_pairs(top_k):
 
 
 def test_non_contiguous_inputs():
-    from epdraft.kernels import fused_experts
+    from epdraft.kernels.experts.fused import fused_experts
 
     w13, w2, _, _ = make_experts(8, torch.bfloat16, False)
     ids, weights = make_routing(64, 8, 2)
@@ -171,8 +171,8 @@ def test_explicit_configs(top_k, block_m, up_split, down_split, group_m, weight_
     every block size and TMA weight copies give the same answer. The TMA cases take 128-wide up
     columns and down K tiles over F = 192: a gate tile's last columns read up rows, an up tile's and
     the down GEMM's last K tile hang past the weights (read as zeros), and none of it is stored."""
-    from epdraft.kernels.fused_moe import fused_experts_with_config
-    from epdraft.kernels.tuning import DownConfig, MoeKernelConfig, UpConfig
+    from epdraft.kernels.experts.fused import fused_experts_with_config
+    from epdraft.kernels.experts.tables import DownConfig, MoeKernelConfig, UpConfig
 
     config = MoeKernelConfig(
         block_m=block_m,
@@ -193,8 +193,8 @@ def test_explicit_configs(top_k, block_m, up_split, down_split, group_m, weight_
 
 def test_split_k_is_deterministic():
     """The last program of a split tile sums the partials in split order, whoever arrives last."""
-    from epdraft.kernels.fused_moe import fused_experts_with_config
-    from epdraft.kernels.tuning import DownConfig, MoeKernelConfig, UpConfig
+    from epdraft.kernels.experts.fused import fused_experts_with_config
+    from epdraft.kernels.experts.tables import DownConfig, MoeKernelConfig, UpConfig
 
     config = MoeKernelConfig(
         block_m=16,
@@ -211,7 +211,7 @@ def test_split_k_is_deterministic():
 
 
 def test_deterministic():
-    from epdraft.kernels import fused_experts
+    from epdraft.kernels.experts.fused import fused_experts
 
     w13, w2, _, _ = make_experts(16, torch.bfloat16, False)
     ids, weights = make_routing(1000, 16, 6)
@@ -222,7 +222,7 @@ def test_deterministic():
 
 
 def test_bad_inputs_raise_config_error():
-    from epdraft.kernels import fused_experts
+    from epdraft.kernels.experts.fused import fused_experts
 
     w13, w2, _, _ = make_experts(4, torch.bfloat16, False)
     ids, weights = make_routing(8, 4, 2)
@@ -244,7 +244,7 @@ def test_bad_inputs_raise_config_error():
 
 def test_cuda_graph_router_and_experts_equal_eager():
     """A captured router + fused experts forward replays to the eager result on new inputs."""
-    from epdraft.kernels import fused_experts
+    from epdraft.kernels.experts.fused import fused_experts
 
     num_experts, top_k, T = 16, 4, 96
     spec = RouterSpec(num_experts=num_experts, top_k=top_k, **ROUTERS["sigmoid_grouped_selection"])

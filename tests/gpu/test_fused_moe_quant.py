@@ -3,7 +3,7 @@ dequantized bf16 weights: the four `epdraft bench kernel` shapes, T in {0, 1, 16
 
 The bound is DESIGN.md's bf16 drift (max |dy| <= 0.2 mean|y|, mean <= 0.02 mean|y|). MXFP4 tiles are
 exact in bf16, as the reference's dequantization is, through either upcast (`mxfp4_upcast`: the
-bits path, `epdraft.kernels.e2m1`, on checkpoint-order or shift-packed bytes, and `tl.dot_scaled`),
+bits path, `epdraft.kernels.experts.e2m1`, on checkpoint-order or shift-packed bytes, and `tl.dot_scaled`),
 and the upcasts agree to accumulation order (the bits path's two decodes bit for bit); FP8 tiles multiply as exact e4m3 values and their block scale is applied to the fp32 partial
 product, where the reference rounds fp8 * scale to bf16 first: a difference of at most one bf16
 rounding per weight, besides accumulation order. The last tests run the bits path's Triton upcast
@@ -20,8 +20,10 @@ import torch
 from epdraft.bench.kernel import SHAPES
 from epdraft.config.ffn import ActivationSpec
 from epdraft.errors import ConfigError
-from epdraft.kernels.tuning import DownConfig, MoeKernelConfig, UpConfig, quantize_weights, random_routing
+from epdraft.bench.tune import random_routing
+from epdraft.kernels.experts.tables import DownConfig, MoeKernelConfig, UpConfig
 from epdraft.layers.experts import experts_reference
+from epdraft.loading.quant import dequantize_weights, quantize_weights
 from tests.gpu.test_fused_moe import assert_matches
 
 pytestmark = pytest.mark.gpu
@@ -45,14 +47,14 @@ def _weights(shape: str, fmt: str):
     gen = torch.Generator(device="cuda").manual_seed(5)
     w13 = quantize_weights(torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H**-0.5, fmt)
     w2 = quantize_weights(torch.randn(E, H, I, device="cuda", generator=gen) * I**-0.5, fmt)
-    return w13, w2, w13.dequantized(torch.bfloat16), w2.dequantized(torch.bfloat16)
+    return w13, w2, dequantize_weights(w13, torch.bfloat16), dequantize_weights(w2, torch.bfloat16)
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("fmt, upcast", FORMATS)
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_quantized_experts_match_the_dequantized_reference(shape, fmt, upcast):
-    from epdraft.kernels.fused_moe import fused_experts_quantized
+    from epdraft.kernels.experts.fused import fused_experts_quantized
 
     E, I, H, K = SHAPES[shape]
     w13, w2, ref13, ref2 = _weights(shape, fmt)
@@ -76,7 +78,7 @@ def test_quantized_experts_match_the_dequantized_reference(shape, fmt, upcast):
 def test_quantized_split_k_bias_and_clamp(fmt, upcast, up_split, down_split, block_m, weight_tma):
     """Split-K partials, expert biases, the swigluoai clamp and dropped (-1) pairs on quantized
     weights, with per-thread and TMA weight loads (dot_scaled keeps per-thread loads)."""
-    from epdraft.kernels.fused_moe import fused_experts_with_config
+    from epdraft.kernels.experts.fused import fused_experts_with_config
 
     E, I, H, K = 8, 512, 1024, 4
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -88,7 +90,7 @@ def test_quantized_split_k_bias_and_clamp(fmt, upcast, up_split, down_split, blo
     ids, weights = random_routing(300, E, K, torch.device("cuda"), gen)
     ids[::7, 1] = -1
     act = ActivationSpec(kind="swigluoai", limit=7.0)
-    ref13, ref2 = w13.dequantized(torch.bfloat16), w2.dequantized(torch.bfloat16)
+    ref13, ref2 = dequantize_weights(w13, torch.bfloat16), dequantize_weights(w2, torch.bfloat16)
     w13, w2, upcast = _packed(w13, w2, upcast)
     config = MoeKernelConfig(block_m=block_m, up=UpConfig(block_n=64, block_k=128, split_k=up_split, weight_tma=weight_tma),
                              down=DownConfig(block_n=64, block_k=64, split_k=down_split, weight_tma=weight_tma))
@@ -101,7 +103,7 @@ def test_mxfp4_upcasts_agree_and_take_any_activation_layout():
     """Both upcasts on the same weights agree to accumulation order, and the bits path's two decodes
     bit for bit; the bits path (which reads x's K-column pairs as int32) takes a strided,
     2-byte-offset x by copying it; dot_scaled refuses shift-packed bytes."""
-    from epdraft.kernels.fused_moe import fused_experts_quantized
+    from epdraft.kernels.experts.fused import fused_experts_quantized
 
     gen = torch.Generator(device="cuda").manual_seed(9)
     w13 = quantize_weights(torch.randn(8, 512, 512, device="cuda", generator=gen) * 512**-0.5, "mxfp4")
@@ -127,7 +129,7 @@ def test_mxfp4_upcasts_agree_and_take_any_activation_layout():
 def test_bits_upcast_is_the_reference_for_every_byte_and_scale():
     """Every byte x every e8m0 scale on the device: bit for bit the reference for 2 <= e <= 254; e = 1
     exact or flushed to zero where the result is subnormal; e = 0 zeros, e = 255 infinities or NaN
-    (epdraft.kernels.e2m1 says why)."""
+    (epdraft.kernels.experts.e2m1 says why)."""
     from epdraft.loading.quant import dequantize_mxfp4
     from tests.gpu._upcast_kernel import upcast
 
@@ -147,7 +149,7 @@ def test_shift_upcast_is_the_reference_for_every_byte_and_scale_it_takes():
     """The shift decode on every byte x every e8m0 scale up to 128, bit for bit the reference, e = 0
     and 1 included: its unscaled values are bf16 subnormals (0.5 * 2**-126), so this also says the
     device's bf16 multiply keeps subnormal inputs and results."""
-    from epdraft.kernels.e2m1 import SHIFT_MAX_SCALE, shift_pack
+    from epdraft.kernels.experts.e2m1 import SHIFT_MAX_SCALE, shift_pack
     from epdraft.loading.quant import dequantize_mxfp4
     from tests.gpu._upcast_kernel import upcast
 
@@ -160,7 +162,7 @@ def test_shift_upcast_is_the_reference_for_every_byte_and_scale_it_takes():
 
 
 def test_fp8_upcast_is_the_conversion_for_every_byte():
-    """The kernels' integer e4m3 -> bf16 (epdraft.kernels.e4m3) on the device, every byte in every
+    """The kernels' integer e4m3 -> bf16 (epdraft.kernels.experts.e4m3) on the device, every byte in every
     position of a 4-byte word: torch's conversion bit for bit (subnormals included), NaN read as +-480."""
     from tests.gpu._upcast_kernel import upcast_e4m3
 
@@ -174,7 +176,7 @@ def test_fp8_upcast_is_the_conversion_for_every_byte():
 
 
 def test_quantized_refusals_name_the_tensor():
-    from epdraft.kernels.fused_moe import fused_experts_quantized
+    from epdraft.kernels.experts.fused import fused_experts_quantized
 
     gen = torch.Generator(device="cuda").manual_seed(8)
     w13 = quantize_weights(torch.randn(4, 256, 256, device="cuda", generator=gen), "mxfp4")

@@ -1,4 +1,4 @@
-"""The draft step's fused launches (`epdraft.kernels.step_ops`, `epdraft.kernels.skinny`) against the
+"""The draft step's fused launches (`epdraft.kernels.step.ops`, `epdraft.kernels.step.skinny`) against the
 torch chains and cuBLAS GEMMs they replace (the CPU path): same values to fp32 rounding order in
 fp32, and within one bf16 rounding in bf16."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from epdraft.config.ffn import ActivationSpec, RouterSpec
-from epdraft.kernels import skinny, step_ops
+from epdraft.kernels.step import ops as step_ops, skinny
 from epdraft.layers.activations import gated_act
 from epdraft.layers.router import Router
 from epdraft.layers.routing import route, score

@@ -1,6 +1,6 @@
 """A tiny PTX interpreter for the kernels' inline asm, on numpy uint32 arrays (tests and the CPU tools).
 
-It runs exactly the instructions `epdraft.kernels.e2m1` uses and refuses any other, so a change to
+It runs exactly the instructions `epdraft.kernels.experts.e2m1` uses and refuses any other, so a change to
 that PTX either keeps being checked here or fails loudly. Semantics are the PTX ISA's:
     and.b32 / or.b32 / xor.b32  bitwise; shl.b32 / shr.u32 by an immediate
     mul.hi.u32 d, a, b          the high 32 bits of a * b

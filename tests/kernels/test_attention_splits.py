@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epdraft.kernels import attention
+from epdraft.kernels.step import attention
 
 
 @pytest.mark.parametrize("requests", [1, 2, 8, 32, 33, 64, 200])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from epdraft.kernels.e2m1 import (
+from epdraft.kernels.experts.e2m1 import (
     E2M1_CONSTRAINTS,
     E2M1_HI_PTX,
     E2M1_LO_PTX,

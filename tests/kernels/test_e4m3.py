@@ -1,4 +1,4 @@
-"""The FP8 weight upcast (CPU): the integer e4m3 -> bf16 of `epdraft.kernels.e4m3` equals torch's
+"""The FP8 weight upcast (CPU): the integer e4m3 -> bf16 of `epdraft.kernels.experts.e4m3` equals torch's
 conversion for every byte (NaN aside), and its PTX (run by the emulator) does so in every position."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from epdraft.kernels.e4m3 import E4M3_CONSTRAINTS, E4M3_PTX, count_nan_codes, dequantize_e4m3_bits, e4m3_bits_to_bf16
+from epdraft.kernels.experts.e4m3 import E4M3_CONSTRAINTS, E4M3_PTX, count_nan_codes, dequantize_e4m3_bits, e4m3_bits_to_bf16
 from tests.kernels.ptx_emulator import run_elementwise, run_ptx
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from epdraft.config.ffn import ActivationSpec
-from epdraft.kernels import skinny
+from epdraft.kernels.step import skinny
 from epdraft.layers.activations import gated_act
 from epdraft.layers.projection import gate_up, project
 

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from epdraft.errors import ConfigError
-from epdraft.kernels.tuning import quantize_weights
-from epdraft.kernels.weights import ExpertWeights
-from epdraft.loading.quant import dequantize_fp8, dequantize_mxfp4
+from epdraft.kernels.experts.weights import ExpertWeights
+from epdraft.loading.quant import dequantize_fp8, dequantize_mxfp4, dequantize_weights, quantize_weights
 
 
 def test_formats_shapes_bytes_and_dequantization():
@@ -16,12 +15,12 @@ def test_formats_shapes_bytes_and_dequantization():
     fp8 = quantize_weights(w, "fp8")
     assert fp8.shape == (3, 256, 384) and fp8.scales.shape == (3, 2, 3)
     assert fp8.nbytes == 3 * 256 * 384 + 3 * 2 * 3 * 4
-    assert torch.equal(fp8.dequantized(torch.bfloat16), dequantize_fp8(fp8.values, fp8.scales, (128, 128), torch.bfloat16))
+    assert torch.equal(dequantize_weights(fp8, torch.bfloat16), dequantize_fp8(fp8.values, fp8.scales, (128, 128), torch.bfloat16))
     mx = quantize_weights(w, "mxfp4")
     assert mx.values.shape == (3, 256, 192) and mx.shape == (3, 256, 384) and mx.scales.shape == (3, 256, 12)
     assert mx.nbytes == 3 * 256 * (192 + 12)  # 4.25 bits a weight
     blocks = mx.values.view(3, 256, 12, 16)
-    assert torch.equal(mx.dequantized(torch.float32), dequantize_mxfp4(blocks, mx.scales, torch.float32))
+    assert torch.equal(dequantize_weights(mx, torch.float32), dequantize_mxfp4(blocks, mx.scales, torch.float32))
 
 
 @pytest.mark.parametrize(
@@ -53,7 +52,7 @@ def test_shift_packing_keeps_the_weights_and_falls_back_past_its_scales():
     shifted = mx.shift_packed()
     assert (shifted.packing, shifted.code, mx.code) == ("shift", 3, 2)
     assert not torch.equal(shifted.values, mx.values)  # the bytes did move
-    assert torch.equal(shifted.dequantized(torch.float32), mx.dequantized(torch.float32))
+    assert torch.equal(dequantize_weights(shifted, torch.float32), dequantize_weights(mx, torch.float32))
     assert shifted.shift_packed() is shifted
     big = quantize_weights(w * 32, "mxfp4")  # |w| up to ~8: the largest scale 2**1 (e = 128)
     assert int(big.scales.max()) == 128 and big.shift_packed().packing == "shift"

@@ -15,7 +15,7 @@ from epdraft.config.quant import QuantSpec, parse_quantization_config
 from epdraft.errors import ConfigError, LoadError
 from epdraft.layers import DraftMoE
 from epdraft.loading import QuantizedSource, load_ffn, open_checkpoint
-from epdraft.loading.quant import dequantize_fp8, quantize_fp8, quantize_mxfp4
+from epdraft.loading.quant import dequantize_fp8, dequantize_weights, quantize_fp8, quantize_mxfp4
 from tests.stubs import LocalIdsDispatcher, shard_layout
 from tests.test_loading import CountingSource
 
@@ -266,8 +266,8 @@ def test_experts_held_quantized_read_only_their_stored_blocks(tmp_path, kernels_
     plain = _sharded(_moe_spec(I), ep_rank=ep_rank, ep_size=2)
     load_ffn(plain, QuantizedSource(open_checkpoint(path), SPECS[fmt], torch.float32, transposed_stacked=False), LAYER)
     w13, w2 = held.experts.weights()
-    assert torch.equal(w13.dequantized(torch.float32), plain.experts.w13)
-    assert torch.equal(w2.dequantized(torch.float32), plain.experts.w2)
+    assert torch.equal(dequantize_weights(w13, torch.float32), plain.experts.w13)
+    assert torch.equal(dequantize_weights(w2, torch.float32), plain.experts.w2)
     gen = torch.Generator().manual_seed(9)
     rows, ids = torch.randn(5, H, generator=gen), torch.randint(-1, E // 2, (5, 2), generator=gen)
     weights = torch.rand(5, 2, generator=gen)

@@ -18,7 +18,7 @@ import torch
 
 from epdraft.errors import ConfigError, EpdraftError
 from epdraft.kernels import launch
-from epdraft.kernels.align import next_pow2
+from epdraft.kernels.launch import next_pow2
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def linear(
 
 def _linear(x_TK: torch.Tensor, weights: Sequence[torch.Tensor], config: tuple, split_k: int | None = None) -> torch.Tensor:
     """`linear`'s launch, unchecked (what Triton's CPU interpreter runs in development: fp32 on CPU)."""
-    from epdraft.kernels._skinny_triton import skinny_linear_kernel
+    from epdraft.kernels.step._skinny_triton import skinny_linear_kernel
 
     T, K = x_TK.shape
     block_m = max(16, next_pow2(T))
@@ -189,7 +189,7 @@ def _gate_up_act(
     split_k: int | None = None,
 ) -> torch.Tensor:
     """`gate_up_act`'s launch, unchecked (as `_linear`)."""
-    from epdraft.kernels._skinny_triton import skinny_gate_up_kernel
+    from epdraft.kernels.step._skinny_triton import skinny_gate_up_kernel
 
     T, K = x_TK.shape
     block_m = max(16, next_pow2(T))

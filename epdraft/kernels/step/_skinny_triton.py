@@ -1,4 +1,4 @@
-"""The Triton programs of `epdraft.kernels.skinny` (imported on first launch, never at package import).
+"""The Triton programs of `epdraft.kernels.step.skinny` (imported on first launch, never at package import).
 
 A draft step's dense projections multiply few rows (N requests x B block rows, at most
 `skinny.MAX_ROWS`) by large weights: memory-bound on the weight bytes. A program owns BLOCK_N
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from epdraft.kernels._launch_triton import launch_next, prefetch_l2, wait_previous
-from epdraft.kernels._step_triton import gated
+from epdraft.kernels.step._step_triton import gated
 
 
 @triton.jit

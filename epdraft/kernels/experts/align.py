@@ -50,11 +50,6 @@ _MIN_PROGS = 128  # fewer experts per program while there are at most this many 
 _sync_scratch: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (Triton tile and grid sizes)."""
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _sync_buffer(device: torch.device, max_progs: int) -> torch.Tensor:
     """[max_progs + 1] int32 zeros per device: published group sizes and a finish counter (kept zeroed)."""
     key = (device, max_progs)
@@ -68,7 +63,7 @@ def align_pairs(ids_P: torch.Tensor, num_experts: int, block_m: int) -> AlignedP
 
     Within an expert, pairs keep ascending pair order, so the layout is deterministic.
     """
-    from epdraft.kernels._triton import align_kernel
+    from epdraft.kernels.experts._triton import align_kernel
 
     num_pairs = ids_P.numel()
     blocks = max_blocks(num_pairs, num_experts, block_m)
@@ -76,10 +71,10 @@ def align_pairs(ids_P: torch.Tensor, num_experts: int, block_m: int) -> AlignedP
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    experts_per_prog = min(_EXPERTS_PER_PROG, next_pow2(-(-num_experts // _MIN_PROGS)))
+    experts_per_prog = min(_EXPERTS_PER_PROG, launch.next_pow2(-(-num_experts // _MIN_PROGS)))
     num_progs = -(-num_experts // experts_per_prog)
-    max_progs = max(_MIN_PROGS, next_pow2(num_progs))
-    chunk = max(16, min(next_pow2(num_pairs), 4096))
+    max_progs = max(_MIN_PROGS, launch.next_pow2(num_progs))
+    chunk = max(16, min(launch.next_pow2(num_pairs), 4096))
     align_kernel[(num_progs,)](
         ids_P,
         sorted_pairs,

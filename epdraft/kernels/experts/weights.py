@@ -4,11 +4,12 @@
     fp8    values [e, N, K] float8_e4m3fn, scales [e, ceil(N/bn), ceil(K/bk)] fp32 (`weight_scale_inv`)
     mxfp4  values [e, N, K/2] uint8 (two e2m1 a byte, low nibble first), scales [e, N, K/32] uint8 e8m0;
            with packing "shift" each 32-bit word's bits are permuted for the kernels' table-free decode
-           (`epdraft.kernels.e2m1.shift_pack`; `shift_packed` makes them where every scale allows it)
+           (`epdraft.kernels.experts.e2m1.shift_pack`; `shift_packed` makes them where every scale allows it)
 N and K are the logical (dequantized) sizes: w13 is [e, 2F, H] (gate rows, then up rows), w2 [e, H, F].
 FP8 scales are those of the whole [N, K] matrix: for w13 of gate and up rows stacked, so a gate and
 an up projection quantized apart stack into w13 only when F is a multiple of the block rows.
-The checkpoint's own tensors are these, stacked per expert (`epdraft.loading.quant` says the formats).
+The checkpoint's own tensors are these, stacked per expert (`epdraft.loading.quant` says the formats
+and holds their reference decode, `dequantize_weights`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from typing import Literal
 import torch
 
 from epdraft.errors import ConfigError
-from epdraft.kernels.e2m1 import SHIFT_MAX_SCALE, shift_pack, shift_unpack
-from epdraft.loading.quant import dequantize_fp8, dequantize_mxfp4
+from epdraft.kernels.experts.e2m1 import SHIFT_MAX_SCALE, shift_pack
 
 WeightFormat = Literal["bf16", "fp8", "mxfp4"]
 FORMAT_CODES = {"bf16": 0, "fp8": 1, "mxfp4": 2}
@@ -91,16 +91,6 @@ class ExpertWeights:
         """Bytes stored (values and scales): what a GEMM reading every expert moves."""
         scale_bytes = self.scales.numel() * self.scales.element_size() if self.scales is not None else 0
         return self.values.numel() * self.values.element_size() + scale_bytes
-
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """[e, N, K] in `dtype`: the reference the kernels are held against."""
-        if self.format == "bf16":
-            return self.values.to(dtype)
-        if self.format == "fp8":
-            return dequantize_fp8(self.values, self.scales, self.block, dtype)
-        e, N, k = self.values.shape
-        values = shift_unpack(self.values) if self.packing == "shift" else self.values
-        return dequantize_mxfp4(values.view(e, N, k // 16, 16), self.scales, dtype)
 
 
 def as_weights(w: torch.Tensor | ExpertWeights) -> ExpertWeights:

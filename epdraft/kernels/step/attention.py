@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from epdraft.errors import ConfigError
 from epdraft.kernels import launch
-from epdraft.kernels.align import next_pow2
-from epdraft.kernels.step_ops import merge_attention_splits
+from epdraft.kernels.launch import next_pow2
+from epdraft.kernels.step.ops import merge_attention_splits
 
 _BLOCK_S = 64
 _NUM_WARPS, _NUM_STAGES = 4, 3  # Triton's defaults (tools/attention_tune.py measures others)
@@ -112,7 +112,7 @@ def block_attention(
 
 def _launch(q_NhBD, k_NgSD, v_NgSD, slots_N, kv_lens_N) -> torch.Tensor:
     """The split launch and the merge launch (also what Triton's CPU interpreter runs in development)."""
-    from epdraft.kernels._attention_triton import block_attention_split_kernel
+    from epdraft.kernels.step._attention_triton import block_attention_split_kernel
 
     for name, t in (("q", q_NhBD), ("k", k_NgSD), ("v", v_NgSD)):
         if t.stride(-1) != 1:

@@ -1,6 +1,6 @@
 """Triton kernels of the fused experts. Imported only when a kernel runs (it imports triton).
 
-Wrappers, shape checks and launch geometry live in `align.py` and `fused_moe.py`; this module is
+Wrappers, shape checks and launch geometry live in `align.py` and `fused.py`; this module is
 the device code alone.
 """
 
@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 from epdraft.kernels._launch_triton import enter
-from epdraft.kernels.e2m1 import E2M1_CONSTRAINTS, E2M1_HI_PTX, E2M1_LO_PTX, SHIFT_HI_PTX, SHIFT_LO_PTX
-from epdraft.kernels.e4m3 import E4M3_CONSTRAINTS, E4M3_PTX
+from epdraft.kernels.experts.e2m1 import E2M1_CONSTRAINTS, E2M1_HI_PTX, E2M1_LO_PTX, SHIFT_HI_PTX, SHIFT_LO_PTX
+from epdraft.kernels.experts.e4m3 import E4M3_CONSTRAINTS, E4M3_PTX
 
 ACT_SWIGLU = 0
 ACT_SWIGLUOAI = 1
@@ -190,7 +190,7 @@ def _e8m0_to_bf16(e, SHIFT: tl.constexpr = False):
 def _e2m1_to_bf16(w, SHIFT: tl.constexpr = False):
     """uint8 bytes of two e2m1 codes -> (their low nibbles, their high nibbles) as unscaled bf16, same shape.
 
-    `epdraft.kernels.e2m1` says how: table lookups on checkpoint-order bytes, or with SHIFT the
+    `epdraft.kernels.experts.e2m1` says how: table lookups on checkpoint-order bytes, or with SHIFT the
     shift decode of `shift_pack`ed bytes (values times 2**-126). Keep the bytes' `tl.load` right
     before this call: Triton then loads them straight into the dot operand's register layout (see
     E2M1_LO_PTX), whose four bytes a register holds are one aligned 32-bit word of the tile.
@@ -206,7 +206,7 @@ def _e2m1_to_bf16(w, SHIFT: tl.constexpr = False):
 
 @triton.jit
 def _e4m3_to_bf16(w):
-    """An e4m3 tile -> its values as bf16 (exact), with integer ops (`epdraft.kernels.e4m3` says how).
+    """An e4m3 tile -> its values as bf16 (exact), with integer ops (`epdraft.kernels.experts.e4m3` says how).
     Keep the tile's load right before this call, as for `_e2m1_to_bf16`."""
     return tl.inline_asm_elementwise(_E4M3_PTX, _E4M3_CONSTRAINTS, [w.to(tl.uint8, bitcast=True)],
                                      dtype=tl.bfloat16, is_pure=True, pack=4)
@@ -304,7 +304,7 @@ def gemm1_act_kernel(
     W_FMT: 0 = weights in x's dtype; 1 = FP8 e4m3 with fp32 scales per (QBN x QBK) block in `s_ptr`
     (`[e, ceil(2F/QBN), ceil(H/QBK)]`, QBK a multiple of BLOCK_K); 2 = MXFP4, `w_ptr` the packed
     bytes `[e, 2F, H/2]` and `s_ptr` the e8m0 scales `[e, 2F, H/32]`; 3 = MXFP4 with its bytes
-    `shift_pack`ed (`epdraft.kernels.e2m1`; the bits path only, every scale <= 128). Quantized tiles are
+    `shift_pack`ed (`epdraft.kernels.experts.e2m1`; the bits path only, every scale <= 128). Quantized tiles are
     converted to bf16 right after their load and scaled (`_dot_quantized`); K must be even.
     MXFP4_DOT_SCALED: MXFP4 through `tl.dot_scaled`; else the bits path (`_dot_mxfp4_bits`), which
     reads x's K-column pairs as int32 (x contiguous along H, stride_xt even, 4-byte aligned).

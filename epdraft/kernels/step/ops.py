@@ -16,7 +16,7 @@ import torch
 
 from epdraft.errors import ConfigError
 from epdraft.kernels import launch
-from epdraft.kernels.align import next_pow2
+from epdraft.kernels.launch import next_pow2
 
 _MERGE_ROWS = 16  # rows per merge program: N * g programs alone leave most SMs idle at small N
 _FLAG_BLOCK = 4096
@@ -49,7 +49,7 @@ def rms_norm(
     """(normed, s) with s = x + residual (x itself without one) and normed = `RMSNorm` of s:
     weight * (s * rsqrt(mean(s^2) + eps)) rounded to x's dtype before the scale
     (`epdraft.models.attention.RMSNorm.reference`). One program per row."""
-    from epdraft.kernels._step_triton import rms_norm_kernel
+    from epdraft.kernels.step._step_triton import rms_norm_kernel
 
     shape, H = x.shape, x.shape[-1]
     x2 = _rows(x)
@@ -90,7 +90,7 @@ def qk_norm_rope_store(
     q_TX [N*B, h*D], k_TX / v_TX [N*B, g*D] (the projections' outputs, rows unit-strided);
     cos_CR / sin_CR [C, D/2] fp32: the rotary table of positions 0..C-1 (`rope_cos_sin`'s first half).
     """
-    from epdraft.kernels._step_triton import qk_rope_store_kernel
+    from epdraft.kernels.step._step_triton import qk_rope_store_kernel
 
     N, B = positions_NB.shape
     D = q_norm_weight.shape[0]
@@ -128,7 +128,7 @@ def merge_attention_splits(acc: torch.Tensor, stat: torch.Tensor, out_NBhD: torc
     """Write the block attention's output [N, B, h, D] from its key splits (acc [N, g, splits,
     rows, D] unnormalized sums, stat [..., rows, 2] = each split's row max m_s and row sum l_s):
     out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s (exp2 domain)."""
-    from epdraft.kernels._step_triton import attention_merge_kernel
+    from epdraft.kernels.step._step_triton import attention_merge_kernel
 
     N, g, splits, rows, D = acc.shape
     chunk = min(rows, _MERGE_ROWS)
@@ -144,7 +144,7 @@ def merge_attention_splits(acc: torch.Tensor, stat: torch.Tensor, out_NBhD: torc
 def flag_nonfinite(x: torch.Tensor, flag: torch.Tensor) -> None:
     """Set flag ([1] int32, zeroed by the caller) to 1 when x holds a NaN or inf: the
     `torch.isfinite(x).all()` of a layer's output in one launch."""
-    from epdraft.kernels._step_triton import nonfinite_flag_kernel
+    from epdraft.kernels.step._step_triton import nonfinite_flag_kernel
 
     x, n = x.contiguous(), x.numel()
     if n:
@@ -169,7 +169,7 @@ def router_logits(x_TH: torch.Tensor, weight_EH: torch.Tensor) -> torch.Tensor:
     Raises:
         ConfigError: x and the weight differ in H.
     """
-    from epdraft.kernels._step_triton import router_logits_kernel
+    from epdraft.kernels.step._step_triton import router_logits_kernel
 
     T, H = x_TH.shape
     E = weight_EH.shape[0]
@@ -213,7 +213,7 @@ def topk_route(
     Raises:
         ConfigError: logits not fp32, or of neither shape.
     """
-    from epdraft.kernels._step_triton import topk_route_kernel
+    from epdraft.kernels.step._step_triton import topk_route_kernel
 
     if logits_STE.dtype != torch.float32 or logits_STE.dim() not in (2, 3):
         got = f"{logits_STE.dtype} {tuple(logits_STE.shape)}"
@@ -244,7 +244,7 @@ def topk_route(
 def gated_act(gate_TI: torch.Tensor, up_TI: torch.Tensor, swiglu: bool, limit: float, alpha: float) -> torch.Tensor:
     """act(gate, up) in fp32 rounded to gate's dtype (`epdraft.layers.activations.gated_act` then
     `.to(dtype)`): swiglu, or swigluoai with `alpha`; `limit` > 0 clamps first."""
-    from epdraft.kernels._step_triton import gated_act_kernel
+    from epdraft.kernels.step._step_triton import gated_act_kernel
 
     g2, u2 = _rows(gate_TI), _rows(up_TI)
     T, I = g2.shape
@@ -269,7 +269,7 @@ def ffn_residual(
     residual add round: the FFN output and the residual stream in one pass. y or shared is given
     (a gated shared alone is DraftMLP's own output gate); all [T, H], gate_T1 [T, 1] the output
     gate's logits."""
-    from epdraft.kernels._step_triton import ffn_residual_kernel
+    from epdraft.kernels.step._step_triton import ffn_residual_kernel
 
     given = [t for t in (residual_TH, y_TH, shared_TH) if t is not None]
     first = given[0]

@@ -12,25 +12,34 @@ down GEMM writes y's rows directly and the sum launch is skipped; rows with id -
 The weights may be bf16/fp16, FP8 e4m3 with block scales or MXFP4 (`ExpertWeights`): the GEMMs
 dequantize each tile right after its load; activations stay bf16 and accumulation fp32. MXFP4 tiles
 are upcast one of two ways (`mxfp4_upcast`): "bits" builds the bf16 weights with integer ops
-(`epdraft.kernels.e2m1`) and multiplies the activations' even and odd K columns apart; "dot_scaled"
+(`epdraft.kernels.experts.e2m1`) and multiplies the activations' even and odd K columns apart; "dot_scaled"
 hands the packed tile and its scales to `tl.dot_scaled`. Both equal the dequantized reference.
 Shift-packed MXFP4 weights (`ExpertWeights.shift_packed`) take the bits path's table-free decode.
 """
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Literal, Protocol, get_args
 
 import torch
 
-from epdraft.config.ffn import ActivationSpec
 from epdraft.errors import ConfigError
 from epdraft.kernels import launch
-from epdraft.kernels.align import AlignedPairs, align_pairs
-from epdraft.kernels.tuning import DownConfig, GemmConfig, MoeKernelConfig, UpConfig, dtype_name, fit_format, get_config
-from epdraft.kernels.weights import ExpertWeights, as_weights
+from epdraft.kernels.experts.align import AlignedPairs, align_pairs
+from epdraft.kernels.experts.tables import DownConfig, GemmConfig, MoeKernelConfig, UpConfig, dtype_name, fit_format, get_config
+from epdraft.kernels.experts.weights import ExpertWeights, as_weights
 
 _TOPK_SUM_BLOCK_H = 1024
+
+
+class Activation(Protocol):
+    """The gated activation the up GEMM applies (`epdraft.config.ffn.ActivationSpec` is one):
+    kind "swiglu" (silu(gate) * up) or "swigluoai" (gpt-oss's, with `alpha`), clamped at `limit`
+    when it is > 0."""
+
+    kind: str
+    limit: float
+    alpha: float
 
 Mxfp4Upcast = Literal["bits", "dot_scaled"]
 MXFP4_UPCAST: Mxfp4Upcast = "bits"
@@ -89,7 +98,7 @@ def fused_experts(
     weights_TK: torch.Tensor,
     w13_eNH: torch.Tensor,
     w2_eHF: torch.Tensor,
-    act: ActivationSpec,
+    act: Activation,
     b13_eN: torch.Tensor | None = None,
     b2_eH: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -99,7 +108,7 @@ def fused_experts(
     int local expert ids (-1 = skip; ids >= e are skipped too), weights_TK [T, K] float,
     w13_eNH [e, 2F, H] and w2_eHF [e, H, F] contiguous in x's dtype, b13_eN [e, 2F], b2_eH [e, H].
     Returns [T, H] in x's dtype, each row's pairs summed in fp32 in a fixed order (deterministic).
-    Launch tiles come from `epdraft.kernels.tuning.get_config`.
+    Launch tiles come from `epdraft.kernels.experts.tables.get_config`.
 
     Raises:
         ConfigError: a tensor with the wrong shape, dtype, device or layout (the message names it).
@@ -117,13 +126,13 @@ def fused_experts_quantized(
     weights_TK: torch.Tensor,
     w13: ExpertWeights,
     w2: ExpertWeights,
-    act: ActivationSpec,
+    act: Activation,
     b13_eN: torch.Tensor | None = None,
     b2_eH: torch.Tensor | None = None,
     mxfp4_upcast: Mxfp4Upcast = MXFP4_UPCAST,
 ) -> torch.Tensor:
     """`fused_experts` on quantized weights (`ExpertWeights`, both GEMMs in one format): the same
-    result as `experts_reference` on `w13.dequantized(bf16)` and `w2.dequantized(bf16)`, within bf16 drift.
+    result as `experts_reference` on `dequantize_weights(w13, bf16)` and `(w2, bf16)`, within bf16 drift.
 
     x_TH is bf16; H and F must be multiples of 64 (the kernels run whole K tiles of 64 or more) and
     FP8 scale blocks must have a multiple of 64 columns. The tuned table is the format's own
@@ -158,7 +167,7 @@ def fused_experts_with_config(
     weights_TK: torch.Tensor,
     w13_eNH: torch.Tensor | ExpertWeights,
     w2_eHF: torch.Tensor | ExpertWeights,
-    act: ActivationSpec,
+    act: Activation,
     b13_eN: torch.Tensor | None,
     b2_eH: torch.Tensor | None,
     config: MoeKernelConfig,
@@ -214,12 +223,12 @@ def up_act(
     aligned: AlignedPairs,
     w13_eNH: torch.Tensor | ExpertWeights,
     b13_eN: torch.Tensor | None,
-    act: ActivationSpec,
+    act: Activation,
     up: UpConfig,
     mxfp4_upcast: Mxfp4Upcast = MXFP4_UPCAST,
 ) -> torch.Tensor:
     """h_MF [max_rows, F] in x's dtype: the activated gate/up product of every sorted row (padding rows hold junk)."""
-    from epdraft.kernels._triton import ACT_SWIGLU, ACT_SWIGLUOAI, gemm1_act_kernel
+    from epdraft.kernels.experts._triton import ACT_SWIGLU, ACT_SWIGLUOAI, gemm1_act_kernel
 
     T, H = x_TH.shape
     w13 = as_weights(w13_eNH)
@@ -300,7 +309,7 @@ def down_combine(
     mxfp4_upcast: Mxfp4Upcast = MXFP4_UPCAST,
 ) -> torch.Tensor:
     """y_TH: the weighted down projection of every pair, summed per token (ids_TK, weights_TK contiguous)."""
-    from epdraft.kernels._triton import gemm2_weight_kernel, topk_sum_kernel
+    from epdraft.kernels.experts._triton import gemm2_weight_kernel, topk_sum_kernel
 
     T, K = ids_TK.shape
     w2 = as_weights(w2_eHF)

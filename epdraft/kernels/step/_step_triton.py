@@ -1,4 +1,4 @@
-"""The Triton programs of `epdraft.kernels.step_ops` (imported on first launch, never at package import).
+"""The Triton programs of `epdraft.kernels.step.ops` (imported on first launch, never at package import).
 
 Each program replaces a chain of small torch ops of the draft step with one launch and rounds
 where the torch chain rounds (to the tensors' dtype after the same steps), so the two differ only

@@ -1,0 +1,44 @@
+"""The fused experts' tuner: its candidates fit the chip and its search order (CPU only)."""
+
+from __future__ import annotations
+
+from epdraft.bench import tune
+from epdraft.kernels.experts.tables import UpConfig
+
+
+def test_block_m_candidates():
+    assert tune.block_m_candidates(16, 1, 8) == [16]
+    assert tune.block_m_candidates(128, 1, 8) == [16, 32]
+    assert tune.block_m_candidates(2048, 10, 512) == [32, 64]
+    assert tune.block_m_candidates(2048, 2, 8) == [64, 128]
+
+
+def test_candidates_fit_shared_memory():
+    for block_m in (16, 32, 64, 128):
+        for c in tune.up_candidates(block_m, 128, 8, 4096):
+            assert c.num_stages * (block_m + 2 * c.block_n) * c.block_k * 2 <= 200 * 1024
+        for c in tune.down_candidates(block_m, 128, 8, 1536):
+            assert c.num_stages * (block_m + c.block_n) * c.block_k * 2 <= 200 * 1024
+
+
+def test_split_k_candidates():
+    """Split-K only for short GEMMs (<= 64 rows per expert), and never more splits than K tiles."""
+    short = tune.down_candidates(16, 128, 8, 512)
+    assert {c.split_k for c in short} == {1, 2, 4}
+    assert all(c.split_k * c.block_k <= 512 for c in short)
+    assert {c.split_k for c in tune.up_candidates(64, 4096, 8, 4096)} == {1}
+
+
+def test_best_order_tries_program_orders_then_tma_on_the_best():
+    """The tuner's last step: group_m from the tiles' own config, then TMA weight copies on the fastest of those."""
+    base = UpConfig(block_n=64, block_k=128)
+    times = {(0, False): 10.0, (1, False): 9.0, (4, False): 9.5, (1, True): 8.0, (0, True): 7.0}
+    timed = []
+
+    def time_us(c):
+        timed.append((c.group_m, c.weight_tma))
+        return times[(c.group_m, c.weight_tma)]
+
+    best, us = tune._best_order(base, time_us, 10.0)
+    assert timed == [(1, False), (4, False), (1, True)]
+    assert (best.group_m, best.weight_tma, us) == (1, True, 8.0)
