@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from epdraft.config.ffn import DraftMoeFFNSpec, RouterSpec
 from epdraft.config.parallel import ParallelConfig, load_parallel_config
+from epdraft.dispatch.planner import layout_candidates
 from epdraft.errors import ConfigError
 from epdraft.parallel.spawn import run_local_ranks
 
@@ -94,22 +95,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also append the JSON lines to this file")  # fmt: skip
 
 
-def layouts(pc: ParallelConfig) -> list[tuple[str, str]]:
-    """(layout, dp_padding) pairs the config's moe_ep x moe_tp can run."""
-    d = pc.draft
-    out = [("replicated", "max_len")]
-    if d.moe_group_size > 1:
-        if d.moe_tp == 1:
-            out.append(("alltoall", "max_len"))
-        out += [("gather", "max_len"), ("gather", "sum_len")]
-    return out
-
-
 def variants(pc: ParallelConfig, a2a_backends: tuple[str, ...]) -> list[tuple[str, str, str]]:
-    """(layout, dp_padding, backend) triples: the alltoall layout once per backend."""
+    """(layout, dp_padding, backend) triples: the planner's candidates, the alltoall layout once per backend."""
     return [
         (layout, padding, backend)
-        for layout, padding in layouts(pc)
+        for layout, padding in layout_candidates(pc.draft.moe_ep, pc.draft.moe_tp)
         for backend in (a2a_backends if layout == "alltoall" else ("torch",))
     ]
 

@@ -42,11 +42,8 @@ def _dispatcher_class(layout: MoeLayout) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def unsupported_reason(layout: MoeLayout, group: dist.ProcessGroup | None) -> str | None:
-    """Why `layout` cannot run on `group` here (the backend's own words), or None."""
-    if layout.layout == "replicated":
-        return None
-    cls = _dispatcher_class(layout)
+def _unsupported_reason(cls: type, layout: MoeLayout, group: dist.ProcessGroup | None) -> str | None:
+    """Why backend `cls` cannot run `layout` on `group` here (the group's size, else the backend's own words)."""
     if group is None:
         return f"moe_layout {layout.layout!r} needs the MoE process group"
     if dist.get_world_size(group) != layout.group_size:
@@ -57,23 +54,20 @@ def unsupported_reason(layout: MoeLayout, group: dist.ProcessGroup | None) -> st
     return cls.unsupported_reason(layout, group)
 
 
-def check_runnable(layout: MoeLayout, group: dist.ProcessGroup | None) -> None:
-    """Raise ConfigError naming the key and quoting `unsupported_reason` when `layout` cannot run."""
-    reason = unsupported_reason(layout, group)
-    if reason is not None:
-        key = "moe_layout = 'gather'" if layout.layout == "gather" else f"a2a_backend = {layout.backend!r}"
-        raise ConfigError(f"draft.{key} cannot run here: {reason}")
-
-
 def make_dispatcher(layout: MoeLayout, group: dist.ProcessGroup | None) -> Dispatcher:
     """Build the dispatcher every MoE layer of this rank's draft talks through, over MoE group `group`.
 
-    `layout` comes from `MoeLayout.resolve` (which already checked it); `group` is None only for
-    "replicated". Raises ConfigError quoting the backend's reason when it cannot run.
+    `layout` comes from `MoeLayout.resolve` (config x draft checked there); `group` is None only
+    for "replicated". This is the one place a backend is asked whether it can run (resolve cannot
+    ask: this module imports it), so a layout built by hand (tests, `epdraft bench dispatch`) is
+    refused the same way. Raises ConfigError naming the key and quoting the backend's reason.
     """
     if layout.layout == "replicated":
         return ReplicatedDispatcher(layout)
-    check_runnable(layout, group)
     cls = _dispatcher_class(layout)
+    reason = _unsupported_reason(cls, layout, group)
+    if reason is not None:
+        key = "moe_layout = 'gather'" if layout.layout == "gather" else f"a2a_backend = {layout.backend!r}"
+        raise ConfigError(f"draft.{key} cannot run here: {reason}")
     log.debug("MoE dispatcher: %s (%s)", layout.label, cls.__name__)
     return cls(layout, group)

@@ -7,7 +7,11 @@ planner's reason). It is plain data, like `StepPlan`: the runtime resolves it, t
 only read it, so none of them imports the runtime.
 
     layout = MoeLayout.resolve(parallel_config, draft_spec.ffn, groups)   # every (config, draft) check here
-    dispatcher = make_dispatcher(layout, groups.moe)
+    dispatcher = make_dispatcher(layout, groups.moe)                       # the backend's check here
+
+Whether the backend can run on this rank's group is asked by `make_dispatcher` alone, not here:
+only the factory knows the backends, and the factory imports this module, so asking from here
+would make the two import each other.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch.distributed as dist
 
 from epdraft.config.ffn import DraftMixFFNSpec, DraftMoeFFNSpec
 from epdraft.config.parallel import ParallelConfig, check_moe_split
+from epdraft.dispatch.planner import choose_for_config
 from epdraft.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -88,11 +93,9 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
         `auto` runs the planner here (once). A draft with no MoE layer is `replicated`.
         Raises ConfigError naming the key when the draft and the config do not fit together:
         moe_ep must divide E, moe_tp must divide every layer's I, all MoE layers must move the
-        same E and top_k, and the chosen backend must be able to run (its own reason, quoted).
+        same E and top_k. Whether the chosen backend can run on `groups.moe` is `make_dispatcher`'s
+        check (the runtime builds the dispatcher right after resolving, before loading weights).
         """
-        from epdraft.dispatch.factory import check_runnable
-        from epdraft.dispatch.planner import choose_for_config
-
         d = pc.draft
         moe_layers = [layer for layer in ffn.layers if isinstance(layer, DraftMoeFFNSpec)]
         if not moe_layers:
@@ -131,7 +134,6 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
             tp_size=groups.tp_size,
             **facts,
         )
-        check_runnable(resolved, groups.moe)
         return cls._checked_graphs(resolved)
 
     @staticmethod

@@ -102,6 +102,21 @@ def _estimate(
     return comm_us, experts_us, expert_bytes
 
 
+def layout_candidates(ep: int, tp: int) -> list[tuple[str, str]]:
+    """The (layout, dp_padding) pairs a moe_ep x moe_tp split can run, replicated first.
+
+    The one list: the planner costs these and `epdraft bench dispatch` times these, so a layout
+    added here is both estimated and measured. alltoall only at moe_tp = 1: its backends send
+    tokens to whole experts (the config refuses alltoall with moe_tp > 1 for the same reason).
+    """
+    candidates = [("replicated", "max_len")]
+    if ep * tp > 1:
+        if tp == 1:
+            candidates.append(("alltoall", "max_len"))
+        candidates += [("gather", "max_len"), ("gather", "sum_len")]
+    return candidates
+
+
 def choose_layout(
     spec: DraftMixFFNSpec,
     *,
@@ -120,13 +135,8 @@ def choose_layout(
     Raises ConfigError when no candidate's expert shard fits `memory_budget_bytes`.
     """
     moe_layers = [layer for layer in spec.layers if isinstance(layer, DraftMoeFFNSpec)]
-    candidates = [("replicated", "max_len")]
-    if ep * tp > 1:
-        if tp == 1:
-            candidates.append(("alltoall", "max_len"))
-        candidates += [("gather", "max_len"), ("gather", "sum_len")]
     estimates = []
-    for layout, padding in candidates:
+    for layout, padding in layout_candidates(ep, tp):
         per_layer = [
             _estimate(layout, padding, m, spec.hidden_size, ep, tp, rows_per_rank, link, mem_bw_gbps, dtype_bytes)
             for m in moe_layers
