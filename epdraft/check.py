@@ -15,9 +15,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+
 from epdraft.config.ffn import ActivationSpec, DraftDenseFFNSpec, DraftMixFFNSpec, DraftMoeFFNSpec, FFNSpec, RouterSpec
 from epdraft.config.hf import parse_ffn_config, read_config_json
 from epdraft.errors import ConfigError
+from epdraft.layers.step_kernels import quantized_experts_reason
 from epdraft.models.spec import DraftModelSpec
 
 _BF16_BITS = 16
@@ -155,7 +158,7 @@ def _on_cuda(spec: DraftMixFFNSpec) -> str:
     layers = [layer for layer in spec.layers if isinstance(layer, DraftMoeFFNSpec) and layer.quantization is not None]
     if not layers:
         return "on CUDA: no routed experts are quantized; quantized tensors are dequantized at load"
-    reason = layers[0].quantized_kernel_reason(spec.hidden_size, tp_size=1, device_type="cuda", dtype="bfloat16")
+    reason = quantized_experts_reason(spec, tp_size=1, device_type="cuda", dtype=torch.bfloat16)
     if reason is None:
         return f"on CUDA with bf16: routed experts stay {layers[0].quantization.method} for the fused kernels"
     return f"on CUDA with bf16: dequantized at load ({reason})"

@@ -60,7 +60,6 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
     num_experts / hidden_size / top_k: what every MoE layer of the draft moves (one dispatcher
         serves them all, so they must agree).
     device_type: "cpu" | "cuda", where the experts run.
-    cuda_graphs: the draft step is replayed from CUDA graphs (the dispatcher must be `capturable`).
     chosen_by_auto / reason: whether `auto` picked the layout, and the planner's one-line why.
     """
 
@@ -77,7 +76,6 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
     hidden_size: int
     top_k: int
     device_type: str = "cpu"
-    cuda_graphs: bool = False
     chosen_by_auto: bool = False
     reason: str | None = None
 
@@ -99,9 +97,7 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
         d = pc.draft
         moe_layers = [layer for layer in ffn.layers if isinstance(layer, DraftMoeFFNSpec)]
         if not moe_layers:
-            return cls._checked_graphs(
-                cls.local(0, ffn.hidden_size, 0, device_type=groups.device_type, cuda_graphs=d.cuda_graphs)
-            )
+            return cls.local(0, ffn.hidden_size, 0, device_type=groups.device_type)
         first = moe_layers[0]
         for i, layer in zip(ffn.moe_layers, moe_layers):
             if (layer.num_experts, layer.top_k) != (first.num_experts, first.top_k):
@@ -116,13 +112,13 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
             log.info("draft.moe_layout = 'auto' -> %s", reason)
         facts = dict(
             num_experts=first.num_experts, hidden_size=ffn.hidden_size, top_k=first.top_k,
-            device_type=groups.device_type, cuda_graphs=d.cuda_graphs, chosen_by_auto=d.moe_layout == "auto",
+            device_type=groups.device_type, chosen_by_auto=d.moe_layout == "auto",
             reason=reason,
         )  # fmt: skip
         if layout == "replicated":
-            return cls._checked_graphs(cls.local(**facts))
+            return cls.local(**facts)
         check_moe_split(pc, ffn)
-        resolved = cls(
+        return cls(
             layout=layout,
             backend=d.a2a_backend if layout == "alltoall" else "torch",
             dp_padding=padding,
@@ -134,18 +130,6 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
             tp_size=groups.tp_size,
             **facts,
         )
-        return cls._checked_graphs(resolved)
-
-    @staticmethod
-    def _checked_graphs(layout: MoeLayout) -> MoeLayout:
-        if layout.cuda_graphs and layout.device_type != "cuda":
-            raise ConfigError("draft.cuda_graphs = true needs CUDA, and this rank's draft runs on the CPU")
-        if layout.cuda_graphs and not layout.capturable:
-            raise ConfigError(
-                f"draft.cuda_graphs = true: {layout.label} dispatch syncs with the host and cannot be captured; "
-                "use draft.a2a_backend = 'torch_fixed' (or moe_layout gather / replicated, deepep with low_latency)"
-            )
-        return layout
 
     @property
     def capturable(self) -> bool:

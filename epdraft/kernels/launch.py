@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 from collections.abc import Iterator
 
@@ -63,3 +64,19 @@ def pdl_off() -> Iterator[None]:
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (Triton tile and grid sizes)."""
     return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def triton_installed() -> bool:
+    """Whether Triton can be imported here (looked up without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def unsupported_reason(device_type: str) -> str | None:
+    """Why no Triton kernel can run on a device of `device_type` here, or None: every family's
+    first condition (each adds its own)."""
+    if device_type != "cuda":
+        return f"the Triton kernels run on CUDA, this rank's draft on {device_type}"
+    if not triton_installed():
+        return "Triton is not installed (pip install 'epdraft[gpu]')"
+    return None

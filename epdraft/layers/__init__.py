@@ -1,4 +1,4 @@
-"""Draft FFN layers: router, routed experts, dense MLP, DraftMoE.
+"""Draft FFN layers: router, routed experts, dense MLP, DraftMoE, and the rank's StepKernels.
 
 Shape legend used in names across epdraft (`x_TH`, `w13_eNH`):
     T tokens on this rank          H hidden size
@@ -11,7 +11,8 @@ Shape legend used in names across epdraft (`x_TH`, `w13_eNH`):
 from epdraft.layers.build import build_ffn
 from epdraft.layers.mlp import DraftMLP
 from epdraft.layers.moe import DraftMoE
-from epdraft.layers.routed_experts import RoutedExperts, run_experts
+from epdraft.layers.routed_experts import RoutedExperts, experts_fn
 from epdraft.layers.router import Router
+from epdraft.layers.step_kernels import StepKernels
 
-__all__ = ["DraftMLP", "DraftMoE", "RoutedExperts", "Router", "build_ffn", "run_experts"]
+__all__ = ["DraftMLP", "DraftMoE", "RoutedExperts", "Router", "StepKernels", "build_ffn", "experts_fn"]

@@ -9,6 +9,7 @@ from epdraft.dispatch import Dispatcher
 from epdraft.errors import ConfigError
 from epdraft.layers.mlp import DraftMLP
 from epdraft.layers.moe import DraftMoE
+from epdraft.layers.step_kernels import StepKernels
 
 
 def build_ffn(
@@ -19,8 +20,10 @@ def build_ffn(
     dtype: torch.dtype,
     device: torch.device | str,
     dispatcher: Dispatcher | None = None,
+    kernels: StepKernels | None = None,
 ) -> DraftMLP | DraftMoE:
-    """DraftMLP for a dense layer, DraftMoE (placed by `dispatcher.layout`, default every expert) for a MoE layer.
+    """DraftMLP for a dense layer, DraftMoE (placed by `dispatcher.layout`, default every expert) for a MoE layer,
+    computing as `kernels` says (None: resolved for `device`, `dtype` and the spec).
 
     Weights are uninitialised until `load_weights`; `check_loaded` says what is still missing.
     Raises ConfigError if `layer_id` is not a layer of `spec` or `hidden_size` disagrees with it.
@@ -30,6 +33,9 @@ def build_ffn(
     if hidden_size != spec.hidden_size:
         raise ConfigError(f"hidden_size {hidden_size} != the {spec.family} spec's hidden_size {spec.hidden_size}")
     layer = spec.layers[layer_id]
+    if kernels is None:
+        layout = dispatcher.layout if dispatcher is not None else None
+        kernels = StepKernels.resolve(device, dtype, ffn=spec, layout=layout)
     if isinstance(layer, DraftDenseFFNSpec):
         return DraftMLP(
             hidden_size,
@@ -39,5 +45,7 @@ def build_ffn(
             layer_id=layer_id,
             dtype=dtype,
             device=device,
+            kernels=kernels,
         )
-    return DraftMoE(layer, hidden_size, layer_id=layer_id, dispatcher=dispatcher, dtype=dtype, device=device)
+    return DraftMoE(layer, hidden_size, layer_id=layer_id, dispatcher=dispatcher, dtype=dtype, device=device,
+                    kernels=kernels)  # fmt: skip

@@ -9,8 +9,9 @@ from torch import nn
 
 from epdraft.dispatch.plan import StepPlan
 from epdraft.config.ffn import ActivationSpec
-from epdraft.kernels.step.ops import ffn_residual, use_kernels
+from epdraft.kernels.step.ops import ffn_residual
 from epdraft.layers.projection import gate_up, project
+from epdraft.layers.step_kernels import StepKernels
 from epdraft.loading import TensorSource, check_ffn_loaded, load_into
 
 
@@ -27,6 +28,7 @@ class DraftMLP(nn.Module):
     Parameters (canonical loader names): `gate_proj.weight [I, H]`, `up_proj.weight [I, H]`,
     `down_proj.weight [H, I]`, with `.bias` when `bias`, and `output_gate.weight [1, H]` when
     `output_gate`. The activation runs in fp32 (SpecForge reference), so does the sigmoid gate.
+    `kernels`: the rank's resolved compute (None: resolved for `device` and `dtype`).
     """
 
     expert_shard = None  # the loader's view: a dense MLP holds no routed experts
@@ -42,9 +44,11 @@ class DraftMLP(nn.Module):
         layer_id: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        kernels: StepKernels | None = None,
     ) -> None:
         super().__init__()
         kw = {"dtype": dtype, "device": device}
+        self.kernels = kernels if kernels is not None else StepKernels.for_device(device, dtype)
         self.activation = activation
         self.layer_id = layer_id
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
@@ -58,10 +62,10 @@ class DraftMLP(nn.Module):
         self, x_TH: torch.Tensor, plan: StepPlan | None = None, *, residual_TH: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x_TH [T, H] -> [T, H] in x's dtype, plus `residual_TH` when given (the layer's residual
-        add, fused on CUDA); T may be 0. `plan` is unused (a dense FFN never communicates); it is
+        add, fused into one launch with the Triton step ops); T may be 0. `plan` is unused (a dense FFN never communicates); it is
         taken so every FFN of a draft layer is called alike."""
         y_TH, gate_T1 = self.ungated(x_TH)
-        if use_kernels(x_TH) and (residual_TH is not None or gate_T1 is not None):
+        if self.kernels.step_ops == "triton" and (residual_TH is not None or gate_T1 is not None):
             return ffn_residual(residual_TH, None, y_TH, gate_T1)
         y_TH = gate_output(y_TH, gate_T1)
         return y_TH if residual_TH is None else residual_TH + y_TH
@@ -69,9 +73,9 @@ class DraftMLP(nn.Module):
     def ungated(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(down(act(gate x, up x)) [T, H], the output gate's logits [T, 1] or None): the MLP before
         its output gate, which a caller may fuse into its own add (`DraftMoE` does)."""
-        h_TI = gate_up(x_TH, self.gate_proj, self.up_proj, self.activation)
+        h_TI = gate_up(self.kernels, x_TH, self.gate_proj, self.up_proj, self.activation)
         gate_T1 = self.output_gate(x_TH) if self.output_gate is not None else None
-        return project(h_TI, self.down_proj)[0], gate_T1
+        return project(self.kernels, h_TI, self.down_proj)[0], gate_T1
 
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | TensorSource) -> set[str]:
         """Copy this layer's tensors from any accepted naming; returns the names consumed, ignores others."""

@@ -7,12 +7,13 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from epdraft.config.ffn import DraftMoeFFNSpec
+from epdraft.config.ffn import DraftMixFFNSpec, DraftMoeFFNSpec
 from epdraft.dispatch import Dispatcher, MoeLayout, ReplicatedDispatcher, StepPlan
-from epdraft.kernels.step.ops import ffn_residual, use_kernels
+from epdraft.kernels.step.ops import ffn_residual
 from epdraft.layers.mlp import DraftMLP, gate_output
-from epdraft.layers.routed_experts import RoutedExperts, experts_storage
+from epdraft.layers.routed_experts import RoutedExperts
 from epdraft.layers.router import Router
+from epdraft.layers.step_kernels import StepKernels
 from epdraft.loading import ExpertShard, TensorSource, check_ffn_loaded, load_into
 
 
@@ -22,7 +23,9 @@ class DraftMoE(nn.Module):
     Submodules (canonical loader names): `router` (fp32 `weight [E, H]`, `bias [E]`), `experts`
     (`w13 [e, 2F, H]`, `w2 [e, H, F]`, `b13`, `b2`), `shared` (DraftMLP of width S with an optional
     `output_gate`) when the spec has a shared expert. The shared expert is replicated: it runs on
-    this rank's own tokens, outside the collectives.
+    this rank's own tokens, outside the collectives. `kernels`: the rank's resolved compute (None:
+    resolved for `device`, `dtype` and this layer); its `quantized_experts` keeps a quantized
+    checkpoint's experts quantized for the fused kernels, else they are dequantized at load.
     """
 
     def __init__(
@@ -34,6 +37,7 @@ class DraftMoE(nn.Module):
         dispatcher: Dispatcher | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        kernels: StepKernels | None = None,
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -42,6 +46,11 @@ class DraftMoE(nn.Module):
             dispatcher = ReplicatedDispatcher(MoeLayout.local(spec.num_experts, hidden_size, spec.top_k))
         self.dispatcher = dispatcher
         layout = dispatcher.layout
+        if kernels is None:
+            ffn = DraftMixFFNSpec(family="moe", hidden_size=hidden_size, layers=(spec,))
+            kernels = StepKernels.resolve(device if device is not None else "cpu", dtype or torch.get_default_dtype(),
+                                          ffn=ffn, layout=layout)  # fmt: skip
+        self.kernels = kernels
         shard = ExpertShard(
             num_experts=spec.num_experts,
             intermediate_size=spec.intermediate_size,
@@ -53,16 +62,11 @@ class DraftMoE(nn.Module):
             transposed_interleaved=spec.activation.kind == "swigluoai",
             layer_id=layer_id,
         )
-        self.router = Router(spec.router, hidden_size, device=device)
-        # quantized experts stay quantized only where the fused kernels run them (CUDA, bf16, whole experts)
-        reason = spec.quantized_kernel_reason(
-            hidden_size,
-            tp_size=layout.tp_size,
-            device_type=torch.device(device if device is not None else "cpu").type,
-            dtype=str(dtype or torch.get_default_dtype()).removeprefix("torch."),
-        )
-        self.experts = RoutedExperts(shard, spec.activation, bias=spec.expert_bias, dtype=dtype, device=device,
-                                     quantization=experts_storage(spec.quantization, reason, dtype))
+        self.router = Router(spec.router, hidden_size, device=device, kernels=kernels)
+        self.experts = RoutedExperts(
+            shard, spec.activation, bias=spec.expert_bias, dtype=dtype, device=device, kernels=kernels,
+            quantization=spec.quantization if kernels.quantized_experts else None,
+        )  # fmt: skip
         self.shared: DraftMLP | None = None
         if spec.shared_intermediate_size > 0:
             self.shared = DraftMLP(
@@ -73,6 +77,7 @@ class DraftMoE(nn.Module):
                 layer_id=layer_id,
                 dtype=dtype,
                 device=device,
+                kernels=kernels,
             )
         self.loaded_pieces: set = set()
 
@@ -89,7 +94,7 @@ class DraftMoE(nn.Module):
         residual_TH: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x_TH [T, H] -> [T, H] in x's dtype, plus `residual_TH` when given (the layer's residual
-        add: on CUDA it rides in one launch with the shared expert's gate and add); `plan` is the
+        add: with the Triton step ops it rides in one launch with the shared expert's gate and add); `plan` is the
         step's agreed row counts (any communicating layout needs it, replicated ignores it);
         input_ids_T [T] int64 the rows' token ids, which a hash-routed layer routes by (routing is
         local, before dispatch: no layout needs them).
@@ -102,7 +107,7 @@ class DraftMoE(nn.Module):
         handle = dispatcher.dispatch(x_TH, ids_TK, weights_TK, plan)
         y_TH = dispatcher.combine(self.experts(handle.rows_RH, handle.ids_RK, handle.weights_RK), handle)
         shared_TH, gate_T1 = self.shared.ungated(x_TH) if self.shared is not None else (None, None)
-        if use_kernels(x_TH) and (shared_TH is not None or residual_TH is not None):
+        if self.kernels.step_ops == "triton" and (shared_TH is not None or residual_TH is not None):
             return ffn_residual(residual_TH, y_TH, shared_TH, gate_T1)
         if shared_TH is not None:
             y_TH = y_TH + gate_output(shared_TH, gate_T1)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-import logging
+from typing import Callable
 
 import torch
 from torch import nn
@@ -11,69 +10,37 @@ from torch import nn
 from epdraft.config.ffn import ActivationSpec
 from epdraft.config.quant import QuantSpec
 from epdraft.errors import LoadError
-from epdraft.kernels.experts.fused import fused_experts
+from epdraft.kernels.experts.fused import fused_experts, fused_experts_quantized
 from epdraft.kernels.experts.e2m1 import shift_unpack
 from epdraft.kernels.experts.e4m3 import count_nan_codes
 from epdraft.kernels.experts.weights import ExpertWeights
 from epdraft.layers.experts import experts_reference
+from epdraft.layers.step_kernels import StepKernels
 from epdraft.loading import ExpertShard
 from epdraft.loading.quant import dequantize_weights
 
-log = logging.getLogger(__name__)
-
-_FUSED_DTYPES = (torch.bfloat16, torch.float16)
+ExpertsFn = Callable[..., torch.Tensor]
 
 
-def reference_fallback_reason(device: torch.device | str, dtype: torch.dtype) -> str | None:
-    """Why experts on `device` in `dtype` run the per-expert reference loop instead of the fused
-    kernels, or None when they do not (on CPU the loop is the only path, so no reason is given)."""
-    if torch.device(device).type == "cuda" and dtype not in _FUSED_DTYPES:
-        return (
-            f"the fused Triton expert kernels take bfloat16/float16 and the draft is {str(dtype).removeprefix('torch.')}: "
-            "the experts run the per-expert reference loop (slow); use --dtype bfloat16"
-        )
-    return None
+def _dequantized_reference(rows_RH, ids_RK, weights_RK, w13, w2, act, b13_eN=None, b2_eH=None) -> torch.Tensor:
+    """The reference loop on quantized weights' dequantization (a quantized store without the fused
+    kernels: tests of the loader; never what `StepKernels.resolve` picks)."""
+    w13_eNH, w2_eHF = dequantize_weights(w13, rows_RH.dtype), dequantize_weights(w2, rows_RH.dtype)
+    return experts_reference(rows_RH, ids_RK, weights_RK, w13_eNH, w2_eHF, act, b13_eN, b2_eH)
 
 
-@functools.lru_cache(maxsize=None)
-def _log_once(message: str) -> None:
-    """One line per distinct message and process: the storage of the experts is a load-time fact."""
-    log.info(message)
+def experts_fn(fused: bool, quantized: bool) -> ExpertsFn:
+    """The one function RoutedExperts computes with, picked at construction: the fused Triton
+    kernels (`epdraft.kernels.experts`), on quantized `ExpertWeights` or plain tensors, or the
+    per-expert reference loop (`experts_reference`, which they are held against by
+    tests/gpu/test_fused_moe*.py). Every one has `experts_reference`'s contract:
 
-
-def run_experts(
-    rows_RH: torch.Tensor,
-    ids_RK: torch.Tensor,
-    weights_RK: torch.Tensor,
-    w13_eNH: torch.Tensor | ExpertWeights,
-    w2_eHF: torch.Tensor | ExpertWeights,
-    act: ActivationSpec,
-    b13_eN: torch.Tensor | None = None,
-    b2_eH: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The one place RoutedExperts computes: the same contract as `experts_reference`.
-
-    bf16/fp16 CUDA tensors go through the fused Triton kernels (`epdraft.kernels`); fp32 (any
-    device) and CPU tensors through the reference loop; the two are held against each other by
-    tests/gpu/test_fused_moe.py. Quantized weights (`ExpertWeights`) go through the quantized
-    kernels on CUDA with bf16 rows, else through the reference on their dequantization.
-
-    Args:
-        rows_RH: [R, H] dispatched rows; R may be 0.
-        ids_RK: [R, K] int64 local expert ids in [0, e), -1 = skip.
-        weights_RK: [R, K] fp32 combine weights.
-        w13_eNH, w2_eHF, b13_eN, b2_eH: see `epdraft.layers.experts`.
-    Returns:
-        [R, H] in rows' dtype.
+        fn(rows_RH [R, H], ids_RK [R, K] int64 local ids (-1 = skip), weights_RK [R, K] fp32,
+           w13, w2, act, b13_eN, b2_eH) -> [R, H] in rows' dtype; R may be 0.
     """
-    if isinstance(w13_eNH, ExpertWeights):
-        if rows_RH.is_cuda and rows_RH.dtype == torch.bfloat16:
-            from epdraft.kernels.experts.fused import fused_experts_quantized
-
-            return fused_experts_quantized(rows_RH, ids_RK, weights_RK, w13_eNH, w2_eHF, act, b13_eN, b2_eH)
-        w13_eNH, w2_eHF = dequantize_weights(w13_eNH, rows_RH.dtype), dequantize_weights(w2_eHF, rows_RH.dtype)
-    impl = fused_experts if rows_RH.is_cuda and rows_RH.dtype in _FUSED_DTYPES else experts_reference
-    return impl(rows_RH, ids_RK, weights_RK, w13_eNH, w2_eHF, act, b13_eN, b2_eH)
+    if fused:
+        return fused_experts_quantized if quantized else fused_experts
+    return _dequantized_reference if quantized else experts_reference
 
 
 class RoutedExperts(nn.Module):
@@ -83,8 +50,9 @@ class RoutedExperts(nn.Module):
     `b13 [e, 2F]`, `b2 [e, H]`. Under moe_tp, `b2` is zero on tp_rank != 0 so that summing the TP
     ranks' partial outputs adds it once.
 
-    With `quantization` (the checkpoint stores the experts quantized and the fused kernels can run
-    them: `DraftMoeFFNSpec.quantized_kernel_reason`), w13 / w2 hold the stored values and
+    The experts compute with the function `kernels` picks at construction (`experts_fn`; None:
+    resolved for `device` and `dtype`). With `quantization` (the checkpoint stores the experts
+    quantized and `StepKernels.quantized_experts` keeps them so), w13 / w2 hold the stored values and
     `w13_scale` / `w2_scale` their scales, in `epdraft.kernels.experts.weights` layout (mxfp4: uint8
     `[e, 2F, H/2]` + e8m0 `[e, 2F, H/32]`; fp8: e4m3 `[e, 2F, H]` + fp32 `[e, 2F/128, H/128]`);
     never cast such a module's dtype. `pack_for_kernels` (after loading) may then permute mxfp4
@@ -100,11 +68,15 @@ class RoutedExperts(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         quantization: QuantSpec | None = None,
+        kernels: StepKernels | None = None,
     ) -> None:
         super().__init__()
         self.shard = shard
         self.activation = activation
         self.quantization = quantization
+        kernels = kernels if kernels is not None else StepKernels.for_device(device, dtype)
+        self.fused = kernels.experts == "fused"
+        self._compute = experts_fn(self.fused, quantization is not None)
         e, F_, H = shard.count, shard.slice_size, shard.hidden_size
         kw = {"dtype": dtype, "device": device}
         self.w13_scale: nn.Parameter | None = None
@@ -146,12 +118,12 @@ class RoutedExperts(nn.Module):
                 ExpertWeights(self.w2.data, self.w2_scale.data, q.method, q.block, self.w2_packing))
 
     def pack_for_kernels(self, name: str = "experts") -> None:
-        """Once loaded, on CUDA: MXFP4 weights whose scales allow it (every e8m0 exponent <= 128) are
+        """Once loaded, for the fused kernels: MXFP4 weights whose scales allow it (every e8m0 exponent <= 128) are
         re-laid for the fused kernels' table-free decode (`ExpertWeights.shift_packed`), the same
         weights read with fewer instructions; FP8 weights holding a NaN code are refused (LoadError
         naming `name`, the module's path): the kernels' decode would read it as +-480, not NaN, and
         the step's NaN guard would never see it. Reads to the host: not for a captured step."""
-        if self.quantization is None or self.w13.device.type != "cuda":
+        if self.quantization is None or not self.fused:
             return
         if self.quantization.method == "fp8":
             for label, w in (("w13 (gate/up)", self.w13), ("w2 (down)", self.w2)):
@@ -178,26 +150,10 @@ class RoutedExperts(nn.Module):
     def forward(self, rows_RH: torch.Tensor, ids_RK: torch.Tensor, weights_RK: torch.Tensor) -> torch.Tensor:
         """rows_RH [R, H], ids_RK [R, K] local ids (-1 = skip), weights_RK [R, K] fp32 -> [R, H]."""
         w13, w2 = self.weights()
-        return run_experts(rows_RH, ids_RK, weights_RK, w13, w2, self.activation, self.b13, self.b2)
+        return self._compute(rows_RH, ids_RK, weights_RK, w13, w2, self.activation, self.b13, self.b2)
 
     def extra_repr(self) -> str:
         s = self.shard
         experts = f"experts [{s.first}, {s.first + s.count}) of {s.num_experts}"
         stored = f", {self.quantization.method}" if self.quantization is not None else ""
         return f"{experts}, F={s.slice_size} of I={s.intermediate_size}{stored}"
-
-
-def experts_storage(quantization: QuantSpec | None, reason: str | None, dtype: torch.dtype | None) -> QuantSpec | None:
-    """The quantization RoutedExperts keep (None: plain weights), logging the choice once per process.
-
-    `reason` is `DraftMoeFFNSpec.quantized_kernel_reason` (None: the fused kernels can run them).
-    """
-    if quantization is None:
-        return None
-    if reason is None:
-        _log_once(f"routed experts kept in {quantization.method} for the fused kernels; other quantized "
-                  "tensors of the checkpoint are dequantized at load")
-        return quantization
-    _log_once(f"{quantization.method} checkpoint dequantized to {str(dtype).removeprefix('torch.')} at load "
-              f"({reason})")
-    return None

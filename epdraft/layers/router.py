@@ -8,8 +8,9 @@ from torch import nn
 
 from epdraft.config.ffn import RouterSpec
 from epdraft.errors import ConfigError
-from epdraft.kernels.step.ops import ROUTER_KERNEL_MAX_ROWS, router_logits, topk_route, use_kernels
+from epdraft.kernels.step.ops import ROUTER_KERNEL_MAX_ROWS, router_logits, topk_route
 from epdraft.layers.routing import hash_route, route
+from epdraft.layers.step_kernels import StepKernels
 
 
 class Router(nn.Module):
@@ -17,7 +18,7 @@ class Router(nn.Module):
 
     Parameters are fp32 whatever the model dtype (`weight [E, H]`, `bias [E]` when
     `spec.bias != "none"`): the logits are computed in fp32 so every rank and every
-    implementation picks the same experts on near-ties. On CUDA outside autograd the logits,
+    implementation picks the same experts on near-ties. With the Triton step ops the logits,
     selection and weights are 2 launches up to `ROUTER_KERNEL_MAX_ROWS` rows
     (`epdraft.kernels.step.ops.router_logits`, `topk_route`) where x's fp32 cast, cuBLAS's fp32
     GEMM, its split-K reduce and the top-k launch made 4 (5 with a logit bias's add); above it
@@ -26,9 +27,19 @@ class Router(nn.Module):
     `tid2eid [vocab, K]` int64 (the experts of each token id; a parameter so the loader fills it).
     """
 
-    def __init__(self, spec: RouterSpec, hidden_size: int, *, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        spec: RouterSpec,
+        hidden_size: int,
+        *,
+        device: torch.device | str | None = None,
+        kernels: StepKernels | None = None,
+    ) -> None:
         super().__init__()
         self.spec = spec
+        kernels = kernels if kernels is not None else StepKernels.for_device(device, torch.float32)
+        # the launches' selection covers plain and biased top-k; group-limited and hash routing keep the chain
+        self.launches = kernels.step_ops == "triton" and not spec.group_limited and not spec.hash_routed
         self.weight = nn.Parameter(
             torch.empty(spec.num_experts, hidden_size, dtype=torch.float32, device=device), requires_grad=False
         )
@@ -54,12 +65,11 @@ class Router(nn.Module):
         """
         s = self.spec
         selection_bias = self.bias if s.bias == "selection" else None
-        kernels = use_kernels(x_TH) and not s.group_limited and self.tid2eid is None
-        if kernels and x_TH.shape[0] <= ROUTER_KERNEL_MAX_ROWS:
+        if self.launches and x_TH.shape[0] <= ROUTER_KERNEL_MAX_ROWS:
             logits_TE = router_logits(x_TH, self.weight)  # [S, T, E] partials: topk_route sums them
         else:
             logits_TE = F.linear(x_TH.float(), self.weight.float())
-        if kernels:
+        if self.launches:
             logit_bias = self.bias if s.bias == "logit" else None
             return topk_route(logits_TE, s.top_k, s.scoring, selection_bias, s.norm_topk_prob, s.renorm_eps,
                               s.routed_scaling_factor, logit_bias)  # fmt: skip

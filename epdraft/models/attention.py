@@ -11,26 +11,38 @@ import torch.nn.functional as F
 from torch import nn
 
 from epdraft.kernels.step.attention import block_attention, block_attention_reference, sliding_block_attention
-from epdraft.kernels.step.ops import qk_norm_rope_store, rms_norm, use_kernels
+from epdraft.kernels.step.ops import qk_norm_rope_store, rms_norm
 from epdraft.layers.projection import project
+from epdraft.layers.step_kernels import StepKernels
 
 
 class RMSNorm(nn.Module):
-    """Qwen-style RMSNorm: normalize in fp32, scale in the input dtype (matches HF Qwen3RMSNorm)."""
+    """Qwen-style RMSNorm: normalize in fp32, scale in the input dtype (matches HF Qwen3RMSNorm).
+    One launch (`kernels.step.ops.rms_norm`) with the Triton step ops, the torch chain otherwise."""
 
-    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        kernels: StepKernels | None = None,
+    ):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        kernels = kernels if kernels is not None else StepKernels.for_device(device, dtype)
+        self.launch = kernels.step_ops == "triton"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_kernels(x):
+        if self.launch:
             return rms_norm(x, self.weight, self.eps)[0]
         return self.reference(x)
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + delta), x + delta): the residual add and the next norm, one launch on CUDA."""
-        if use_kernels(x):
+        """(norm(x + delta), x + delta): the residual add and the next norm, one launch with the Triton step ops."""
+        if self.launch:
             return rms_norm(x, self.weight, self.eps, residual=delta)
         s = x + delta
         return self.reference(s), s
@@ -91,17 +103,19 @@ class DFlashAttention(nn.Module):
         bias: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        kernels: StepKernels | None = None,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_theta = rope_theta
+        self.kernels = kernels if kernels is not None else StepKernels.for_device(device, dtype)
         kw = dict(dtype=dtype, device=device)
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias, **kw)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **kw)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **kw)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False, **kw)
-        self.q_norm = RMSNorm(head_dim, rms_norm_eps, **kw)
-        self.k_norm = RMSNorm(head_dim, rms_norm_eps, **kw)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps, kernels=self.kernels, **kw)
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps, kernels=self.kernels, **kw)
 
     def _kv(
         self, x_NTH: torch.Tensor, positions_NT: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -161,17 +175,18 @@ class DFlashAttention(nn.Module):
     ) -> torch.Tensor:
         """`forward` over a KV pool: the block rows' K/V go to rows `positions` of each request's slot
         (right after its context), then the queries attend to rows [0, position of the last block
-        row] of the slot, read in place (the Triton kernels on CUDA: q/k norm, rotary and the pool
-        write in one launch, then the attention; the torch chain and the SDPA reference elsewhere).
+        row] of the slot, read in place (with the Triton step ops q/k norm, rotary and the pool write
+        are one launch, else the torch chain; the attention is the Triton kernel or the SDPA reference,
+        as the rank's `StepKernels` say).
         A sliding-window layer (`window` W) attends as `sliding_block_attention` says instead.
 
         x_NQH [N, Q, H] (input-normed), positions_NQ [N, Q] = context length + [0, Q), slots_N [N]
         int64 on x's device. No host sync on CUDA.
         """
         N, Q, _ = x_NQH.shape
-        if use_kernels(x_NQH):
+        if self.kernels.step_ops == "triton":
             cos, sin = self.rope_table(pool_k_PgCD.shape[2], x_NQH.device)
-            q_TX, k_TX, v_TX = project(x_NQH.reshape(N * Q, -1), self.q_proj, self.k_proj, self.v_proj)
+            q_TX, k_TX, v_TX = project(self.kernels, x_NQH.reshape(N * Q, -1), self.q_proj, self.k_proj, self.v_proj)
             q = qk_norm_rope_store(
                 q_TX, k_TX, v_TX, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, positions_NQ,
                 slots_N, pool_k_PgCD, pool_v_PgCD,
@@ -185,7 +200,7 @@ class DFlashAttention(nn.Module):
         if window is not None:
             out = sliding_block_attention(q, pool_k_PgCD, pool_v_PgCD, slots_N, positions_NQ[:, 0], window)
         else:
-            attend = block_attention if q.is_cuda else block_attention_reference
+            attend = block_attention if self.kernels.attention == "triton" else block_attention_reference
             out = attend(q, pool_k_PgCD, pool_v_PgCD, slots_N, positions_NQ[:, -1] + 1)
         out = out.to(x_NQH.dtype).transpose(1, 2).reshape(N * Q, self.num_heads * self.head_dim)
-        return project(out, self.o_proj)[0].view(N, Q, -1)
+        return project(self.kernels, out, self.o_proj)[0].view(N, Q, -1)

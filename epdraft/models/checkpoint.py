@@ -19,6 +19,7 @@ from epdraft.config.hf import read_config_json
 from epdraft.dispatch import Dispatcher
 from epdraft.errors import ConfigError, LoadError
 from epdraft.layers.routed_experts import RoutedExperts
+from epdraft.layers.step_kernels import StepKernels
 from epdraft.loading import TensorSource, open_checkpoint, quantized_source
 from epdraft.models.dflash import DFlashDraft
 from epdraft.models.protocol import DRAFT_FAMILIES, DraftModel
@@ -42,19 +43,21 @@ def load_draft(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     dispatcher: Dispatcher | None = None,
+    kernels: StepKernels | None = None,
 ) -> DraftModel:
     """Build the draft described by `path/config.json` and load its weights (this rank's experts only).
 
     `spec`: the export's spec when the caller has read it already (config.json is then not read
     again). The family comes from `DRAFT_FAMILIES[spec.kind]`; `dispatcher` places and connects
-    the MoE layers (None: every expert here). Raises ConfigError for a config the runtime cannot
-    run, LoadError for a missing tensor or a wrong shape (naming them). MXFP4 experts kept for the
-    CUDA kernels are then re-laid for their table-free decode, FP8 ones holding a NaN refused
-    (`RoutedExperts.pack_for_kernels`).
+    the MoE layers (None: every expert here); `kernels`: the rank's resolved compute (None:
+    resolved for `device`, `dtype`, the spec and the layout). Raises ConfigError for a config the
+    runtime cannot run, LoadError for a missing tensor or a wrong shape (naming them). MXFP4 experts
+    kept for the fused kernels are then re-laid for their table-free decode, FP8 ones holding a NaN
+    refused (`RoutedExperts.pack_for_kernels`).
     """
     path = Path(path)
     spec = spec if spec is not None else read_draft_spec(path)
-    model = DRAFT_FAMILIES[spec.kind](spec, dtype=dtype, device=device, dispatcher=dispatcher)
+    model = DRAFT_FAMILIES[spec.kind](spec, dtype=dtype, device=device, dispatcher=dispatcher, kernels=kernels)
     # a quantized export (quantization_config) is dequantized to `dtype` as it is read
     load_draft_weights(model, quantized_source(open_checkpoint(path), spec.ffn, dtype), origin=str(path))
     for name, module in model.named_modules():

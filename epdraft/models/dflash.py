@@ -22,6 +22,7 @@ from epdraft.dispatch import Dispatcher, StepPlan
 from epdraft.errors import ConfigError, NonFiniteError
 from epdraft.kernels.step.ops import flag_nonfinite
 from epdraft.layers.build import build_ffn
+from epdraft.layers.step_kernels import StepKernels
 from epdraft.layers.mlp import DraftMLP
 from epdraft.layers.moe import DraftMoE
 from epdraft.models.attention import DFlashAttention, RMSNorm
@@ -65,10 +66,11 @@ class DFlashLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         dispatcher: Dispatcher | None,
+        kernels: StepKernels,
     ):
         super().__init__()
         H = spec.hidden_size
-        kw = dict(dtype=dtype, device=device)
+        kw = dict(dtype=dtype, device=device, kernels=kernels)
         self.input_layernorm = RMSNorm(H, spec.rms_norm_eps, **kw)
         self.self_attn = DFlashAttention(
             H,
@@ -81,7 +83,8 @@ class DFlashLayer(nn.Module):
             **kw,
         )
         self.post_attention_layernorm = RMSNorm(H, spec.rms_norm_eps, **kw)
-        self.mlp: DraftMLP | DraftMoE = build_ffn(spec.ffn, layer_id, H, dtype=dtype, device=device, dispatcher=dispatcher)
+        self.mlp: DraftMLP | DraftMoE = build_ffn(spec.ffn, layer_id, H, dtype=dtype, device=device,
+                                                  dispatcher=dispatcher, kernels=kernels)  # fmt: skip
         self.window = spec.window(layer_id)
         self.token_routed = isinstance(self.mlp, DraftMoE) and self.mlp.spec.router.hash_routed
 
@@ -109,7 +112,8 @@ class DFlashLayer(nn.Module):
         self, x_NQH: torch.Tensor, attn_NQH: torch.Tensor | None, plan: StepPlan | None, input_ids_NQ: torch.Tensor | None
     ) -> torch.Tensor:
         """x' + ffn(norm x') with x' = x + attn (x itself when attention was skipped), over all
-        N * Q rows at once; on CUDA the residual adds ride in the norm's and the FFN's last launch."""
+        N * Q rows at once; with the Triton step ops the residual adds ride in the norm's and the
+        FFN's last launch."""
         N, Q, H = x_NQH.shape
         # The FFN runs even with no rows: a MoE layer's collectives must be entered by every rank.
         if attn_NQH is None:
@@ -147,7 +151,10 @@ class DFlashLayer(nn.Module):
 class DFlashDraft(nn.Module):
     """The DFlash draft. Parameters follow SpecForge's export names: `fc`, `hidden_norm`, `layers.N.*`, `norm`.
 
-    Build with `epdraft.models.load_draft` (weights from an export) or directly for training.
+    Build with `epdraft.models.load_draft` (weights from an export) or directly for training
+    (`kernels=StepKernels.reference()`: the Triton paths have no backward). `kernels`: the rank's
+    resolved compute, handed to every layer (None: resolved here for `device`, `dtype`, the spec and
+    the dispatcher's layout).
     """
 
     def __init__(
@@ -157,16 +164,22 @@ class DFlashDraft(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         dispatcher: Dispatcher | None = None,
+        kernels: StepKernels | None = None,
     ):
         super().__init__()
         self.spec = spec
+        if kernels is None:
+            layout = dispatcher.layout if dispatcher is not None else None
+            kernels = StepKernels.resolve(device, dtype, ffn=spec.ffn, layout=layout)
+        self.kernels = kernels
         H = spec.hidden_size
         self.fc = nn.Linear(spec.num_target_features * H, H, bias=False, dtype=dtype, device=device)
-        self.hidden_norm = RMSNorm(H, spec.rms_norm_eps, dtype=dtype, device=device)
+        self.hidden_norm = RMSNorm(H, spec.rms_norm_eps, dtype=dtype, device=device, kernels=kernels)
         self.layers = nn.ModuleList(
-            DFlashLayer(spec, i, dtype=dtype, device=device, dispatcher=dispatcher) for i in range(spec.num_layers)
+            DFlashLayer(spec, i, dtype=dtype, device=device, dispatcher=dispatcher, kernels=kernels)
+            for i in range(spec.num_layers)
         )
-        self.norm = RMSNorm(H, spec.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = RMSNorm(H, spec.rms_norm_eps, dtype=dtype, device=device, kernels=kernels)
 
     @property
     def block_size(self) -> int:
@@ -260,7 +273,7 @@ class DFlashDraft(nn.Module):
         nonfinite_L = torch.zeros(self.spec.num_layers, dtype=torch.int32, device=device)
         for i, layer in enumerate(self.layers):
             x = layer.forward_pooled(x, positions_NB, pool, i, slots_N, plan, ids_NB)
-            if x.is_cuda:
+            if self.kernels.step_ops == "triton":
                 flag_nonfinite(x, nonfinite_L[i : i + 1])
             else:
                 nonfinite_L[i] = ~torch.isfinite(x).all()

@@ -19,6 +19,7 @@ from torch import nn
 
 from epdraft.dispatch import Dispatcher, StepPlan
 from epdraft.errors import ConfigError
+from epdraft.layers.step_kernels import StepKernels
 from epdraft.models.cache import DraftCache
 from epdraft.models.dflash import DFlashDraft, TargetHeads
 from epdraft.models.spec import DraftModelSpec
@@ -94,8 +95,9 @@ class DSparkDraft(DFlashDraft):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         dispatcher: Dispatcher | None = None,
+        kernels: StepKernels | None = None,
     ):
-        super().__init__(spec, dtype=dtype, device=device, dispatcher=dispatcher)
+        super().__init__(spec, dtype=dtype, device=device, dispatcher=dispatcher, kernels=kernels)
         self.markov_head = MarkovHead(
             spec.markov_head_type, spec.vocab_size, spec.markov_rank, spec.hidden_size, dtype=dtype, device=device
         )

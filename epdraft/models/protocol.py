@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from epdraft.dispatch import Dispatcher, StepPlan
+from epdraft.layers.step_kernels import StepKernels
 from epdraft.models.cache import DraftCache
 from epdraft.models.dflash import DFlashDraft, TargetHeads
 from epdraft.models.dspark import DSparkDraft
@@ -22,6 +23,8 @@ class DraftModel(Protocol):
     """One rank's draft: per-request context caches, context extension, and the block proposal."""
 
     spec: DraftModelSpec
+    kernels: StepKernels
+    """Which implementation runs each op of the step (resolved once per rank)."""
 
     @property
     def block_size(self) -> int:
@@ -54,10 +57,17 @@ class DraftModel(Protocol):
 
 
 class DraftFamily(Protocol):
-    """A draft class: built from its spec, placed by a dispatcher, weights loaded afterwards."""
+    """A draft class: built from its spec, placed by a dispatcher, computing as the rank's
+    `StepKernels` say, weights loaded afterwards."""
 
     def __call__(
-        self, spec: DraftModelSpec, *, dtype: torch.dtype, device: torch.device | str, dispatcher: Dispatcher | None
+        self,
+        spec: DraftModelSpec,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        dispatcher: Dispatcher | None,
+        kernels: StepKernels | None,
     ) -> DraftModel: ...
 
 

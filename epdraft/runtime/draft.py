@@ -13,8 +13,9 @@ draft layer once over all of the rank's rows, handing the agreed plan to every M
 MoE collective is entered exactly once per layer per step by every rank.
 
 Context K/V live in a KVPool sized once (`max_requests` x `max_context` rows), written in place by
-`add_request` / `commit`; with `cuda_graphs` the step is replayed from a CUDA graph per batch
-bucket (`epdraft.runtime.graphs`).
+`add_request` / `commit`; with `kernels.graphs` the step is replayed from a CUDA graph per batch
+bucket (`epdraft.runtime.graphs`). Which kernel runs each op of the step is resolved once, in
+`build` (`StepKernels`), logged beside the MoE layout and reported in the run summary.
 
 Every rank's `Watchdog` beats through the rendezvous store (the runner passes its own; otherwise
 `build` starts one over the coordinator's ranks and `close` stops it). When a step's collective
@@ -36,7 +37,7 @@ from epdraft.config.parallel import DEFAULT_HANG_TIMEOUT_S, ParallelConfig
 from epdraft.dispatch import MoeLayout, StepPlan, make_dispatcher
 from epdraft.errors import ConfigError, EpdraftError, NonFiniteError, RequestError
 from epdraft.layers.moe import DraftMoE
-from epdraft.layers.routed_experts import reference_fallback_reason
+from epdraft.layers.step_kernels import StepKernels, default_dtype, log_choice
 from epdraft.models.checkpoint import load_draft, read_draft_spec
 from epdraft.models.dflash import TargetHeads, check_finite
 from epdraft.models.protocol import DraftModel
@@ -69,7 +70,6 @@ class DraftRuntime:
         coordinator: the per-step StepCoordinator over the draft's DP group.
         layout: the MoeLayout the draft was built with (what the run summary reports).
         max_requests / max_context: the KV pool's limits (requests at once, context rows each).
-        cuda_graphs: replay the step from CUDA graphs (CUDA only; `layout.capturable` must hold).
         timers: phase timers (None: no timing, no extra device syncs). Under CUDA graphs only the
             step as a whole is timed: a per-layer device sync cannot sit inside a graph.
         watchdog: this rank's heartbeat (its step and phase are set here), which names the lost
@@ -86,7 +86,6 @@ class DraftRuntime:
         *,
         max_requests: int,
         max_context: int,
-        cuda_graphs: bool = False,
         timers: PhaseTimers | None = None,
         watchdog: Watchdog,
         owns_watchdog: bool = False,
@@ -95,6 +94,7 @@ class DraftRuntime:
         self.heads = heads
         self.coordinator = coordinator
         self.layout = layout
+        self.kernels: StepKernels = draft.kernels
         self.timers = timers
         self.watchdog = watchdog
         self._owns_watchdog = owns_watchdog
@@ -109,7 +109,7 @@ class DraftRuntime:
                 lambda _m, _args, phase=f"draft layer {m.layer_id} MoE": watchdog.progress(phase=phase)
             )
         self.graphs: StepGraphs | None = None
-        if cuda_graphs:
+        if self.kernels.graphs:
             self.graphs = StepGraphs(
                 lambda slots, anchors, plan: draft.propose_pooled(self.pool, slots, anchors, heads, plan),
                 pad_slot=self.pool.pad_slot, buckets=default_buckets(max_requests), block_size=draft.block_size,
@@ -130,8 +130,9 @@ class DraftRuntime:
         max_requests: int,
         max_context: int,
         spec: DraftModelSpec | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
+        graphs: bool = False,
         num_extras: int = 0,
         timers: PhaseTimers | None = None,
         watchdog: Watchdog | None = None,
@@ -140,27 +141,30 @@ class DraftRuntime:
         """Load the draft at `draft_path` onto this rank as `layout` places it (the engine passes its groups).
 
         max_requests / max_context size the KV pool (`draft.max_requests`, `draft.max_context`);
-        `layout.cuda_graphs` turns the captured step on. `spec`: the draft's spec when already
+        `dtype`: the draft's (None: `default_dtype(device)`); `graphs` (`draft.cuda_graphs`) turns
+        the captured step on. Which kernels run is resolved here, once (`StepKernels.resolve`:
+        ConfigError when graphs cannot be captured here). `spec`: the draft's spec when already
         read (its config.json is then not read again). `watchdog`: the rank's running watchdog;
         None: one is started over `groups.cpu`'s ranks (through the default group's store; a
         stalled peer is logged after `hang_timeout_s`) and stopped by `close`. Every rank of
         `groups.cpu` must build its runtime the same way.
         """
         spec = spec if spec is not None else read_draft_spec(draft_path)
+        dtype = dtype if dtype is not None else default_dtype(device)
+        kernels = StepKernels.resolve(device, dtype, ffn=spec.ffn, layout=layout, graphs=graphs)
         dispatcher = make_dispatcher(layout, groups.moe if layout.layout != "replicated" else None)
-        if timers is not None and not layout.cuda_graphs:
+        if timers is not None and not kernels.graphs:
             dispatcher = TimedDispatcher(dispatcher, timers)
-        if spec.ffn.moe_layers and (why := reference_fallback_reason(device, dtype)) is not None:
-            log.warning("%s", why)
-        draft = load_draft(draft_path, spec=spec, dtype=dtype, device=device, dispatcher=dispatcher)
-        coordinator = StepCoordinator(groups.cpu, num_extras=num_extras)
         log.info("draft MoE layout: %s", layout.label)
+        log_choice(kernels)
+        draft = load_draft(draft_path, spec=spec, dtype=dtype, device=device, dispatcher=dispatcher, kernels=kernels)
+        coordinator = StepCoordinator(groups.cpu, num_extras=num_extras)
         owns = watchdog is None
         if watchdog is None:
             watchdog = Watchdog.start_for(groups.cpu, hang_timeout_s=hang_timeout_s, name="draft")
         return cls(
             draft, heads, coordinator, layout, max_requests=max_requests, max_context=max_context,
-            cuda_graphs=layout.cuda_graphs, timers=timers, watchdog=watchdog, owns_watchdog=owns,
+            timers=timers, watchdog=watchdog, owns_watchdog=owns,
         )  # fmt: skip
 
     @classmethod
@@ -175,8 +179,8 @@ class DraftRuntime:
         **kwargs,
     ) -> DraftRuntime:
         """As `build`, with the layout resolved from a ParallelConfig's `draft` section (`auto` planned here),
-        the KV pool sized by `draft.max_requests` / `draft.max_context` unless given, and a watchdog
-        it starts bounded by `cluster.hang_timeout_s`.
+        graphs from `draft.cuda_graphs`, the KV pool sized by `draft.max_requests` /
+        `draft.max_context` unless given, and a watchdog it starts bounded by `cluster.hang_timeout_s`.
 
         Raises ConfigError naming the key when neither the config nor the caller sizes the pool.
         """
@@ -188,6 +192,7 @@ class DraftRuntime:
                     "draft.max_context, or pass them; epdraft run sizes them from its prompts)"
                 )
         kwargs.setdefault("hang_timeout_s", pc.cluster.hang_timeout_s)
+        kwargs.setdefault("graphs", pc.draft.cuda_graphs)
         spec = spec if spec is not None else read_draft_spec(draft_path)
         layout = MoeLayout.resolve(pc, spec.ffn, groups)
         return cls.build(draft_path, heads, groups=groups, layout=layout, spec=spec, **kwargs)

@@ -11,6 +11,7 @@ from epdraft.config.ffn import ActivationSpec
 from epdraft.kernels.step import skinny
 from epdraft.layers.activations import gated_act
 from epdraft.layers.projection import gate_up, project
+from epdraft.layers.step_kernels import StepKernels
 
 
 @pytest.mark.parametrize("block_m,tiles", [(16, 1), (32, 2), (128, 1), (128, 2)])
@@ -26,12 +27,23 @@ def test_cpu_projections_are_the_linear_layers():
     torch.manual_seed(0)
     x = torch.randn(5, 64)
     q, k = nn.Linear(64, 32, bias=False), nn.Linear(64, 16, bias=False)
-    assert not skinny.fits(x, [q.weight, k.weight])  # CPU: never the Triton launches
-    got_q, got_k = project(x, q, k)
+    kernels = StepKernels.resolve("cpu", torch.float32)
+    assert kernels.projections == "torch"
+    assert skinny.unsupported_reason("cpu", torch.bfloat16).startswith("the Triton kernels run on CUDA")
+    got_q, got_k = project(kernels, x, q, k)
     assert torch.equal(got_q, q(x)) and torch.equal(got_k, k(x))
     up = nn.Linear(64, 32, bias=False)
     act = ActivationSpec()
-    assert torch.equal(gate_up(x, q, up, act), gated_act(q(x), up(x), act).to(x.dtype))
+    assert torch.equal(gate_up(kernels, x, q, up, act), gated_act(q(x), up(x), act).to(x.dtype))
+
+
+def test_skinny_fits_only_rows_it_beats_cublas_on():
+    """The per-call rule left to the family: 1..MAX_ROWS rows with unit-stride weight rows of x's width."""
+    w = torch.empty(32, 64)
+    assert skinny.fits(torch.empty(skinny.MAX_ROWS, 64), [w])
+    assert not skinny.fits(torch.empty(skinny.MAX_ROWS + 1, 64), [w])
+    assert not skinny.fits(torch.empty(0, 64), [w])
+    assert not skinny.fits(torch.empty(4, 64), [torch.empty(64, 32).t()])
 
 
 @pytest.mark.parametrize("tiles,K,block_k,split", [

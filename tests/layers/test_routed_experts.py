@@ -1,24 +1,29 @@
-"""Which expert path runs: the fused kernels take bf16/fp16 on CUDA; anything else there is the
-reference loop, which DraftRuntime.build announces with the reason."""
+"""Which expert path runs is picked once, at construction, from the rank's StepKernels; the
+shift-packed MXFP4 bytes go back to checkpoint order for a reload."""
 
 import pytest
 import torch
 
 from epdraft.config.ffn import ActivationSpec
-from epdraft.layers.routed_experts import RoutedExperts, reference_fallback_reason
+from epdraft.config.quant import QuantSpec
+from epdraft.kernels.experts.fused import fused_experts, fused_experts_quantized
+from epdraft.layers.experts import experts_reference
+from epdraft.layers.routed_experts import RoutedExperts
+from epdraft.layers.step_kernels import StepKernels
+from epdraft.loading import ExpertShard
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cuda_outside_the_fused_dtypes_names_the_fallback(dtype):
-    reason = reference_fallback_reason("cuda", dtype)
-    name = str(dtype).removeprefix("torch.")
-    assert reason is not None and f"the draft is {name}" in reason
-    assert "per-expert reference loop" in reason and "--dtype bfloat16" in reason
-
-
-@pytest.mark.parametrize("device,dtype", [("cuda", torch.bfloat16), ("cuda:1", torch.float16), ("cpu", torch.float32)])
-def test_fused_dtypes_on_cuda_and_cpu_give_no_reason(device, dtype):
-    assert reference_fallback_reason(device, dtype) is None
+@pytest.mark.parametrize("impl", ["fused", "reference"])
+@pytest.mark.parametrize("quantization", [None, QuantSpec(method="fp8", block=(128, 128))])
+def test_experts_compute_with_the_function_their_kernels_chose(impl, quantization):
+    experts = RoutedExperts(ExpertShard(num_experts=2, intermediate_size=128, hidden_size=128), ActivationSpec(),
+                            quantization=quantization, kernels=StepKernels(experts=impl))
+    expected = {("fused", False): fused_experts, ("fused", True): fused_experts_quantized,
+                ("reference", False): experts_reference}
+    if (impl, quantization is not None) in expected:
+        assert experts._compute is expected[impl, quantization is not None]
+    else:  # a quantized store without the fused kernels computes on its dequantization
+        assert experts._compute.__name__ == "_dequantized_reference"
 
 
 @pytest.mark.parametrize("scale_w2", [127, 130])  # 130: w2's scales stop its re-lay, w13 alone is packed
@@ -26,9 +31,6 @@ def test_shift_packed_mxfp4_experts_go_back_to_checkpoint_order_for_loading(scal
     """A load into experts re-laid for the kernels' shift decode must land in checkpoint order:
     `unpack_for_loading` restores every packed tensor's bytes exactly, leaves an unpacked one alone,
     and says whether `pack_for_kernels` had run (once)."""
-    from epdraft.config.quant import QuantSpec
-    from epdraft.loading import ExpertShard
-
     experts = RoutedExperts(ExpertShard(num_experts=2, intermediate_size=64, hidden_size=64), ActivationSpec(),
                             quantization=QuantSpec(method="mxfp4", block=(1, 32)))
     gen = torch.Generator().manual_seed(3)

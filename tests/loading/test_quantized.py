@@ -10,10 +10,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from epdraft.config.ffn import ActivationSpec, DraftMoeFFNSpec, RouterSpec
+from epdraft.config.ffn import ActivationSpec, DraftMixFFNSpec, DraftMoeFFNSpec, RouterSpec
 from epdraft.config.quant import QuantSpec, parse_quantization_config
 from epdraft.errors import ConfigError, LoadError
 from epdraft.layers import DraftMoE
+from epdraft.layers.step_kernels import StepKernels, quantized_experts_reason
 from epdraft.loading import QuantizedSource, load_ffn, open_checkpoint
 from epdraft.loading.quant import dequantize_fp8, dequantize_weights, quantize_fp8, quantize_mxfp4
 from tests.stubs import LocalIdsDispatcher, shard_layout
@@ -79,9 +80,10 @@ def _save(tensors, path):
     return path
 
 
-def _sharded(spec, **shard):
+def _sharded(spec, kernels=None, **shard):
     """The DraftMoE of one rank's shard, without any process group."""
-    return DraftMoE(spec, H, layer_id=LAYER, dispatcher=LocalIdsDispatcher(shard_layout(spec, H, **shard)))
+    return DraftMoE(spec, H, layer_id=LAYER, dispatcher=LocalIdsDispatcher(shard_layout(spec, H, **shard)),
+                    kernels=kernels)
 
 
 def _load(fmt, source, oss=False, **shard):
@@ -240,16 +242,14 @@ def test_quantization_config_parses_both_formats():
     assert mx.converts("model.layers.7.mlp.experts") and mx.converts("model.layers.7.mlp.router_x")
 
 
-@pytest.fixture
-def kernels_can_run(monkeypatch):
-    """Layers keep their quantized experts as if on CUDA with bf16 (the choice DraftMoE makes there)."""
-    monkeypatch.setattr(DraftMoeFFNSpec, "quantized_kernel_reason", lambda self, *a, **k: None)
+# Layers keep their quantized experts as StepKernels resolve on CUDA with bf16 (computing here on their dequantization)
+HELD = StepKernels(quantized_experts=True)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 @pytest.mark.parametrize("layout", ["per-expert", "fused"])
 @pytest.mark.parametrize("ep_rank", [0, 1])
-def test_experts_held_quantized_read_only_their_stored_blocks(tmp_path, kernels_can_run, fmt, layout, ep_rank):
+def test_experts_held_quantized_read_only_their_stored_blocks(tmp_path, fmt, layout, ep_rank):
     """Where the fused kernels run them, experts keep the stored values and scales (this rank's only)
     and compute what the dequantized experts compute."""
     I = 64  # fp8 16 x 32 blocks: the gate/up boundary on a scale row
@@ -257,7 +257,7 @@ def test_experts_held_quantized_read_only_their_stored_blocks(tmp_path, kernels_
     path = _save(tensors, tmp_path / "q.safetensors")
     spec = msgspec.structs.replace(_moe_spec(I), quantization=SPECS[fmt])
     source = CountingSource(open_checkpoint(path))
-    held = _sharded(spec, ep_rank=ep_rank, ep_size=2)
+    held = _sharded(spec, HELD, ep_rank=ep_rank, ep_size=2)
     load_ffn(held, QuantizedSource(source, SPECS[fmt], torch.float32, transposed_stacked=False), LAYER)
     assert held.experts.quantization == SPECS[fmt]
     assert held.experts.w13.dtype == (torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn)
@@ -274,32 +274,34 @@ def test_experts_held_quantized_read_only_their_stored_blocks(tmp_path, kernels_
     assert torch.equal(held.experts(rows, ids, weights), plain.experts(rows, ids, weights))
 
 
-def test_held_quantized_experts_refuse_an_unquantized_tensor(kernels_can_run, quantized):
+def test_held_quantized_experts_refuse_an_unquantized_tensor(quantized):
     tensors = dict(quantized["mxfp4"])
     name = f"{P}experts.2.gate_proj.weight"
     tensors.pop(name + "_blocks"), tensors.pop(name + "_scales")
     tensors[name] = torch.zeros(SIZES["mxfp4"], H)
     spec = msgspec.structs.replace(_moe_spec(SIZES["mxfp4"]), quantization=SPECS["mxfp4"])
-    module = DraftMoE(spec, H, layer_id=LAYER)
+    module = DraftMoE(spec, H, layer_id=LAYER, kernels=HELD)
     with pytest.raises(LoadError, match=re.escape(f"{name}: the layer's experts are mxfp4") + ".*stored unquantized"):
         load_ffn(module, QuantizedSource(tensors, SPECS["mxfp4"], torch.float32, transposed_stacked=False), LAYER)
 
 
 def test_where_experts_stay_quantized():
     """CUDA + bf16 + whole experts + kernel-friendly sizes keep them; anything else dequantizes, saying why."""
+    def reason(layer, hidden=1024, **kw):
+        ffn = DraftMixFFNSpec(family="moe", hidden_size=hidden, layers=(layer,), quantization=layer.quantization)
+        return quantized_experts_reason(ffn, **{**dict(tp_size=1, device_type="cuda", dtype=torch.bfloat16), **kw})
+
     spec = msgspec.structs.replace(_moe_spec(512), quantization=SPECS["mxfp4"])
-    ok = dict(tp_size=1, device_type="cuda", dtype="bfloat16")
-    assert spec.quantized_kernel_reason(1024, **ok) is None
-    assert "here cpu, float32" in spec.quantized_kernel_reason(1024, **{**ok, "device_type": "cpu", "dtype": "float32"})
-    assert "moe_tp = 2" in spec.quantized_kernel_reason(1024, **{**ok, "tp_size": 2})
-    assert "multiples of 64" in spec.quantized_kernel_reason(1000, **ok)
+    assert reason(spec) is None
+    assert "here cpu, float32" in reason(spec, device_type="cpu", dtype=torch.float32)
+    assert "moe_tp = 2" in reason(spec, tp_size=2)
+    assert "multiples of 64" in reason(spec, hidden=1000)
     fp8 = msgspec.structs.replace(spec, quantization=QuantSpec(method="fp8", block=(128, 128)))
-    assert fp8.quantized_kernel_reason(1024, **ok) is None
-    assert "I % 128" in msgspec.structs.replace(fp8, intermediate_size=192).quantized_kernel_reason(1024, **ok)
+    assert reason(fp8) is None
+    assert "I % 128" in reason(msgspec.structs.replace(fp8, intermediate_size=192))
     oss = msgspec.structs.replace(_moe_spec(512, oss=True), quantization=SPECS["mxfp4"])
-    assert "gpt-oss" in oss.quantized_kernel_reason(1024, **ok)
-
-
+    assert "gpt-oss" in reason(oss)
+    assert reason(_moe_spec(512)) == "unquantized"
 def test_quantized_tensors_without_a_quantization_config_are_refused(quantized):
     """No QuantizedSource (config.json without quantization_config): never read blocks or fp8 values as weights."""
     for fmt, suffix in (("mxfp4", "_blocks"), ("fp8", "_scale_inv")):

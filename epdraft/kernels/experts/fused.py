@@ -46,6 +46,36 @@ MXFP4_UPCAST: Mxfp4Upcast = "bits"
 """How the kernels upcast MXFP4 tiles unless told otherwise (`epdraft bench kernel` times both)."""
 
 
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def unsupported_reason(device_type: str, dtype: torch.dtype) -> str | None:
+    """Why `fused_experts` cannot run on `device_type` with activations and weights in `dtype`, or None."""
+    if (why := launch.unsupported_reason(device_type)) is not None:
+        return why
+    if dtype not in _DTYPES:
+        return (f"the fused expert kernels take bfloat16/float16 and the draft is {str(dtype).removeprefix('torch.')}: "
+                "the experts run the per-expert reference loop (slow); use --dtype bfloat16")
+    return None
+
+
+def quantized_unsupported_reason(
+    method: str, block: tuple[int, int], hidden: int, intermediate: int, device_type: str, dtype: torch.dtype
+) -> str | None:
+    """Why `fused_experts_quantized` cannot run experts of `hidden` x `intermediate` stored in
+    `method` ("fp8" with `block` scale blocks, or "mxfp4") here, or None: bf16 activations on CUDA,
+    reductions H and F that are multiples of 64 (whole K tiles), and for FP8 128 x 128 scale blocks
+    with the gate/up boundary on a block row (F % 128 == 0). Whether Triton runs here at all is
+    `unsupported_reason`'s to say."""
+    if device_type != "cuda" or dtype != torch.bfloat16:
+        return f"quantized experts run on CUDA with bf16 activations; here {device_type}, {str(dtype).removeprefix('torch.')}"
+    if hidden % 64 or intermediate % 64:
+        return f"hidden {hidden} and intermediate {intermediate} must be multiples of 64"
+    if method == "fp8" and (tuple(block) != (128, 128) or intermediate % 128):
+        return f"fp8 experts need 128 x 128 scale blocks and I % 128 == 0 (block {list(block)}, I = {intermediate})"
+    return None
+
+
 def _check_inputs(x_TH, ids_TK, weights_TK, w13_eNH, w2_eHF, b13_eN, b2_eH) -> None:
     """Raise ConfigError naming the tensor whose shape, dtype, device or layout the kernels cannot take."""
     if w13_eNH.dim() != 3 or w2_eHF.dim() != 3:

@@ -94,6 +94,11 @@ def num_splits_for(num_requests: int, num_kv_heads: int, capacity: int) -> int:
     return max(1, min(wanted, math.ceil(capacity / _MIN_SPLIT_KEYS)))
 
 
+def unsupported_reason(device_type: str) -> str | None:
+    """Why `block_attention` cannot run on `device_type`, or None (bf16, fp16 and fp32 all run)."""
+    return launch.unsupported_reason(device_type)
+
+
 def block_attention(
     q_NhBD: torch.Tensor, k_PgSD: torch.Tensor, v_PgSD: torch.Tensor, slots_N: torch.Tensor, kv_lens_N: torch.Tensor
 ) -> torch.Tensor:

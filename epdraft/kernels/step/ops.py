@@ -31,10 +31,10 @@ _ROUTER_SLICES = 32
 _ROUTER_MIN_SPLIT = 128  # narrower H slices: more partials for topk_route to read than the split gains
 
 
-def use_kernels(x: torch.Tensor) -> bool:
-    """Whether ops on x take these launches: on CUDA and outside autograd (they have no backward;
-    the draft's inference paths run under torch.no_grad, training keeps the torch chains)."""
-    return x.is_cuda and not torch.is_grad_enabled()
+def unsupported_reason(device_type: str) -> str | None:
+    """Why these launches cannot run on `device_type`, or None (they take any float dtype). They
+    have no backward: a draft trained with autograd keeps the torch chains."""
+    return launch.unsupported_reason(device_type)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,15 @@ def _launch_config(config: tuple, block_m: int, weight_tiles: int) -> tuple[int,
     return block_n, block_k, warps, stages
 
 
+def unsupported_reason(device_type: str, dtype: torch.dtype) -> str | None:
+    """Why the skinny launches cannot run on `device_type` in `dtype`, or None."""
+    if (why := launch.unsupported_reason(device_type)) is not None:
+        return why
+    if dtype not in _DTYPES:
+        return f"the skinny projections take bfloat16/float16, the draft is {str(dtype).removeprefix('torch.')}"
+    return None
+
+
 def _takes(x_TK: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
     """What the launches can compute: CUDA, bf16/fp16, 1..KERNEL_ROWS rows, weights [N, K] of x's
     dtype, unit-stride rows."""
@@ -63,9 +72,14 @@ def _takes(x_TK: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
 
 
 def fits(x_TK: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
-    """Whether a caller should take `linear` / `gate_up_act` over nn.Linear: the launches can
-    compute it, at most MAX_ROWS rows (where they beat cuBLAS), outside autograd (no backward)."""
-    return _takes(x_TK, weights) and x_TK.shape[0] <= MAX_ROWS and not torch.is_grad_enabled()
+    """Whether `linear` / `gate_up_act` beat nn.Linear on these shapes: 1..MAX_ROWS rows (above,
+    cuBLAS wins), weights [N, K] with unit-stride rows. The caller has resolved that the launches
+    run here at all (`unsupported_reason`)."""
+    return (
+        0 < x_TK.shape[0] <= MAX_ROWS
+        and x_TK.stride(-1) == 1
+        and all(w.stride(1) == 1 and w.shape[1] == x_TK.shape[-1] for w in weights)
+    )
 
 
 @functools.lru_cache(maxsize=None)
