@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from epdraft.config.ffn import ActivationSpec, DraftDenseFFNSpec, DraftMixFFNSpec, DraftMoeFFNSpec, FFNSpec, RouterSpec
-from epdraft.config.hf import parse_ffn_config, read_config_json
+from epdraft.config.ffn import ActivationSpec, DraftDenseFFNSpec, DraftMoeFFNSpec, FFNSpec, RouterSpec
+from epdraft.config.hf import DraftMixFFNSpec, parse_ffn_config, read_config_json
 from epdraft.errors import ConfigError
 from epdraft.models.spec import DraftModelSpec
 

@@ -1,8 +1,9 @@
 """Draft FFN specs: what one layer's FFN computes, independent of where its weights come from.
 
-`DraftMixFFNSpec.from_config(hf_config)` reads any supported family's config.json (see
-`epdraft.config.hf`) into one spec per layer. Specs are frozen: safe to share between ranks and
-modules; derived values are properties.
+The per-model list of them, `DraftMixFFNSpec`, lives in `epdraft.config.hf` with the parser that
+builds it from config.json: this module is below the parser (which builds these specs), so it
+never imports it. Specs are frozen: safe to share between ranks and modules; derived values are
+properties.
 """
 
 from __future__ import annotations
@@ -128,30 +129,3 @@ class DraftMoeFFNSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 
 FFNSpec = Union[DraftDenseFFNSpec, DraftMoeFFNSpec]
-
-
-class DraftMixFFNSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One FFN spec per decoder layer, read from an HF / SpecForge config.json.
-
-    `quantization`: how the checkpoint stores its weights (`quantization_config`); None = unquantized.
-    """
-
-    family: str
-    hidden_size: Annotated[int, msgspec.Meta(ge=1)]
-    layers: tuple[FFNSpec, ...]
-    quantization: QuantSpec | None = None
-
-    @classmethod
-    def from_config(cls, config: dict) -> "DraftMixFFNSpec":
-        """Parse an HF/SpecForge config dict; raises ConfigError naming the key and value."""
-        from epdraft.config.hf import parse_ffn_config
-
-        return parse_ffn_config(config)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    @property
-    def moe_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, s in enumerate(self.layers) if isinstance(s, DraftMoeFFNSpec))

@@ -18,7 +18,8 @@ from typing import Literal, Protocol
 import msgspec
 import torch.distributed as dist
 
-from epdraft.config.ffn import DraftMixFFNSpec, DraftMoeFFNSpec
+from epdraft.config.ffn import DraftMoeFFNSpec
+from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.config.parallel import ParallelConfig, check_moe_split
 from epdraft.errors import ConfigError
 
