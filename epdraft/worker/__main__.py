@@ -36,6 +36,7 @@ from epdraft.parallel.failure import write_failure, write_progress
 from epdraft.parallel.log import info_rank0, setup_logging
 from epdraft.parallel.watchdog import Watchdog
 from epdraft.parallel.world import join_world, leave_world
+from epdraft.worker.disagg_job import run_disaggregated_job
 from epdraft.worker.job import RunJob, run_job
 
 log = logging.getLogger("epdraft.worker")
@@ -107,6 +108,8 @@ def run(pc: ParallelConfig, config_path: str, watchdog: Watchdog, job: RunJob | 
     info_rank0(log, None, "health check passed on %d ranks", dist.get_world_size())
     if job is None:
         return None
+    if pc.placement.mode == "disaggregated":
+        return run_disaggregated_job(pc, config_path, groups, job, watchdog)
     return run_job(pc, config_path, groups, job, watchdog)
 
 

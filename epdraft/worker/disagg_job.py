@@ -27,7 +27,7 @@ from epdraft.runtime import DraftRuntime, PhaseTimers
 from epdraft.target.heads import HFHeads
 from epdraft.target.hf import HFTarget
 from epdraft.worker.disagg import RemoteDrafter, serve_draft_rank
-from epdraft.worker.job import RankSetup, RunJob, pool_limits
+from epdraft.worker.job import RankSetup, RunJob, finish, pool_limits, rank_setup
 from epdraft.worker.pairing import PeerLink, paired_draft_rank, paired_target_ranks
 from epdraft.worker.serve import assign_prompts, serve_requests
 from epdraft.worker.summary import RankReport
@@ -38,6 +38,24 @@ log = logging.getLogger(__name__)
 
 # Phases only a draft rank measures; a target rank's report carries the draft ranks' mean of them.
 _DRAFT_PHASES = ("sync", "draft_context", "draft_propose", "moe_total", "moe_dispatch", "moe_combine")
+
+
+def run_disaggregated_job(
+    pc: ParallelConfig, config_path: str, groups: Groups | None, job: RunJob, watchdog: Watchdog
+) -> str | None:
+    """Serve the job's prompts under disaggregated placement; rank 0 (a target rank) prints (and
+    writes) the summary.
+
+    `groups` is None exactly on target ranks. `watchdog`: this rank's, told each phase. Returns, on
+    rank 0, why the run failed although every rank finished (the lossless check, no token
+    generated); None otherwise.
+    """
+    watchdog.progress(phase="reading the draft config and prompts")
+    setup = rank_setup(pc, job)
+    watchdog.progress(phase="serving (disaggregated)")
+    report, target, select = run_disaggregated(pc, groups, job, setup, watchdog)
+    return finish(report, target, job, pc, config_path, setup.prompts, group=None, root=0, select=select,
+                  watchdog=watchdog)  # fmt: skip
 
 
 def run_disaggregated(
