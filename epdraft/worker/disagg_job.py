@@ -9,7 +9,6 @@ every rank's report and prints the summary.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import socket
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from epdraft.config.parallel import ParallelConfig
 from epdraft.models.spec import check_against_target
 from epdraft.parallel.address import is_loopback
-from epdraft.parallel.groups import Groups, resolve_backend
+from epdraft.parallel.groups import Groups
 from epdraft.parallel.watchdog import Watchdog
 from epdraft.runtime import DraftRuntime, PhaseTimers
 from epdraft.target.heads import HFHeads
@@ -68,12 +67,7 @@ def run_disaggregated(
     stopped answering, StepMismatch on a step-id mismatch.
     """
     rank = dist.get_rank()
-    _, backend = resolve_backend(pc)
-    # Control messages need tags and CPU tensors: the world group when it is gloo, else a gloo copy of it.
-    control = dist.group.WORLD
-    if backend != "gloo":
-        timeout = datetime.timedelta(seconds=pc.cluster.timeout_s)
-        control = dist.new_group(backend="gloo", timeout=timeout, group_desc="epdraft_pairs")
+    control = Groups.pair_control(pc)
     transfer_group = control if pc.placement.transfer == "mooncake" else dist.group.WORLD
     transport = make_transport(pc.placement.transfer, transfer_group, device=setup.device, hostname=_this_host())
     spec = setup.spec
