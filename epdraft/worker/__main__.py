@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      help="the draft's weights (default: bfloat16 on CUDA, float32 on CPU)")
     job.add_argument("--target-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                      help="the target's weights (default float32)")
+    job.add_argument("--master-addr", default="127.0.0.1",
+                     help="host of node 0, as the launcher gave torchrun (loopback: every rank is on this host)")
     args = parser.parse_args(argv)
     if args.draft and not (args.target and args.prompts):
         parser.error("--draft needs --target and --prompts")
@@ -146,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                     show=args.show,
                     dtype=args.dtype,
                     target_dtype=args.target_dtype,
+                    master_addr=args.master_addr,
                 )
             failed = run(pc, args.config, watchdog, job)
         except BaseException as e:

@@ -10,7 +10,6 @@ every rank's report and prints the summary.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from collections.abc import Callable
 
@@ -69,7 +68,9 @@ def run_disaggregated(
     rank = dist.get_rank()
     control = Groups.pair_control(pc)
     transfer_group = control if pc.placement.transfer == "mooncake" else dist.group.WORLD
-    transport = make_transport(pc.placement.transfer, transfer_group, device=setup.device, hostname=_this_host())
+    transport = make_transport(
+        pc.placement.transfer, transfer_group, device=setup.device, hostname=_this_host(job.master_addr)
+    )
     spec = setup.spec
     link = PeerLink(ControlChannel(control, torch.device("cpu"), use_tags=True), transport,
                     role="draft" if groups is not None else "target", block_size=spec.num_drafts + 1)  # fmt: skip
@@ -161,9 +162,10 @@ def _target_reports(pc: ParallelConfig, reports: list[RankReport]) -> list[RankR
     return out
 
 
-def _this_host() -> str:
+def _this_host(master_addr: str) -> str:
     """The address paired ranks reach this rank at (Mooncake's endpoint): loopback when the world's
-    master (MASTER_ADDR, set by torchrun) is loopback, since then every rank is on this host."""
-    if is_loopback(os.environ.get("MASTER_ADDR", "127.0.0.1")):
+    master (`master_addr`, the launcher's `--master-addr`) is loopback, since then every rank is on
+    this host."""
+    if is_loopback(master_addr):
         return "127.0.0.1"
     return socket.gethostbyname(socket.gethostname())

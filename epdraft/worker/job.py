@@ -41,6 +41,8 @@ class RunJob(msgspec.Struct, frozen=True, kw_only=True):
     on CPU. target_dtype: the target's weights (float32 by default: the standalone target checks
     losslessness against its own greedy decode, which bf16 batched verify does not reproduce bit
     for bit). show: rank 0 prints (and writes) the first `show` requests' generations.
+    master_addr: the host of node 0 the launcher gave torchrun (`--master-addr`); loopback means
+    every rank is on this host, so paired ranks reach each other there (disaggregated placement).
     """
 
     draft: str
@@ -53,6 +55,7 @@ class RunJob(msgspec.Struct, frozen=True, kw_only=True):
     show: int = 0
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     target_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    master_addr: str = "127.0.0.1"
 
 
 @dataclasses.dataclass(frozen=True)
