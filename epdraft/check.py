@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from epdraft.config.ffn import ActivationSpec, DraftDenseFFNSpec, DraftMixFFNSpec, DraftMoeFFNSpec, FFNSpec, RouterSpec
-from epdraft.config.hf import parse_ffn_config, read_config_json
+from epdraft.config.ffn import ActivationSpec, DraftDenseFFNSpec, DraftMoeFFNSpec, FFNSpec, RouterSpec
+from epdraft.config.hf import DraftMixFFNSpec, parse_ffn_config, read_config_json
 from epdraft.errors import ConfigError
 from epdraft.layers.step_kernels import quantized_experts_reason
 from epdraft.models.spec import DraftModelSpec

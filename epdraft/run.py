@@ -75,6 +75,7 @@ def main(args: argparse.Namespace) -> int:
         "--max-new-tokens", str(args.max_new_tokens),
         "--max-prompts", str(args.max_prompts),
         "--log-level", args.log_level,
+        "--master-addr", args.master_addr,
     ]  # fmt: skip
     worker_args += ["--target-dtype", args.target_dtype]
     if args.dtype:

@@ -3,11 +3,11 @@
 from epdraft.config.ffn import (
     ActivationSpec,
     DraftDenseFFNSpec,
-    DraftMixFFNSpec,
     DraftMoeFFNSpec,
     FFNSpec,
     RouterSpec,
 )
+from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.config.quant import QuantSpec, parse_quantization_config
 from epdraft.config.parallel import (
     ClusterConfig,

@@ -1,8 +1,9 @@
 """Draft FFN specs: what one layer's FFN computes, independent of where its weights come from.
 
-`DraftMixFFNSpec.from_config(hf_config)` reads any supported family's config.json (see
-`epdraft.config.hf`) into one spec per layer. Specs are frozen: safe to share between ranks and
-modules; derived values are properties.
+The per-model list of them, `DraftMixFFNSpec`, lives in `epdraft.config.hf` with the parser that
+builds it from config.json: this module is below the parser (which builds these specs), so it
+never imports it. Specs are frozen: safe to share between ranks and modules; derived values are
+properties.
 """
 
 from __future__ import annotations
@@ -99,59 +100,9 @@ class DraftMoeFFNSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     def top_k(self) -> int:
         return self.router.top_k
 
-    def quantized_kernel_reason(self, hidden_size: int, *, tp_size: int, device_type: str, dtype: str) -> str | None:
-        """Why this layer's quantized experts cannot stay quantized for the fused kernels (None: they can).
-
-        The kernels take bf16 activations on CUDA, whole experts (no moe_tp slice of the blocks),
-        reductions H and F that are multiples of 64, and for FP8 scale blocks of 128 x 128 with the
-        gate/up boundary on a block row (I % 128 == 0). gpt-oss's interleaved gate/up rows are not held quantized.
-        """
-        q = self.quantization
-        if q is None:
-            return "unquantized"
-        if device_type != "cuda" or dtype != "bfloat16":
-            return f"quantized experts run on CUDA with bf16 activations; here {device_type}, {dtype}"
-        if tp_size > 1:
-            return f"draft.moe_tp = {tp_size} slices the experts; quantized experts are held whole"
-        if self.activation.kind == "swigluoai":
-            return "gpt-oss interleaves gate and up rows; quantized experts are held gate rows first"
-        F = self.intermediate_size
-        if hidden_size % 64 or F % 64:
-            return f"hidden {hidden_size} and intermediate {F} must be multiples of 64"
-        if q.method == "fp8" and (q.block != (128, 128) or F % 128):
-            return f"fp8 experts need 128 x 128 scale blocks and I % 128 == 0 (block {list(q.block)}, I = {F})"
-        return None
-
     def expert_bytes(self, hidden_size: int, itemsize: int = 2) -> int:
         """Bytes of all routed experts' weights (gate, up, down) of this layer."""
         return self.num_experts * 3 * self.intermediate_size * hidden_size * itemsize
 
 
 FFNSpec = Union[DraftDenseFFNSpec, DraftMoeFFNSpec]
-
-
-class DraftMixFFNSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One FFN spec per decoder layer, read from an HF / SpecForge config.json.
-
-    `quantization`: how the checkpoint stores its weights (`quantization_config`); None = unquantized.
-    """
-
-    family: str
-    hidden_size: Annotated[int, msgspec.Meta(ge=1)]
-    layers: tuple[FFNSpec, ...]
-    quantization: QuantSpec | None = None
-
-    @classmethod
-    def from_config(cls, config: dict) -> "DraftMixFFNSpec":
-        """Parse an HF/SpecForge config dict; raises ConfigError naming the key and value."""
-        from epdraft.config.hf import parse_ffn_config
-
-        return parse_ffn_config(config)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    @property
-    def moe_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, s in enumerate(self.layers) if isinstance(s, DraftMoeFFNSpec))

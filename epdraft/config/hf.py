@@ -4,6 +4,9 @@ Every value is type-checked and cross-checked here, once: what the runtime canno
 weight quantizations, impossible groupings, a hash-routed layer that is not MoE) is refused with a `ConfigError` naming the key and
 its value, so nothing downstream meets a bad spec in the middle of a collective. What each family
 reads and hardcodes is the table in `epdraft.config.hf_families`.
+
+`DraftMixFFNSpec` is defined here, beside its parser, so that `DraftMixFFNSpec.from_config` calls
+down into this module's parser instead of `epdraft.config.ffn` importing this module back.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import msgspec
 from epdraft.config.ffn import (
     ActivationSpec,
     DraftDenseFFNSpec,
-    DraftMixFFNSpec,
     DraftMoeFFNSpec,
     FFNSpec,
     RouterBias,
@@ -41,6 +43,31 @@ _EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token")
 _LAYER_TYPE_KEYS = ("ffn_layer_types", "mlp_layer_types")
 _MISSING = object()
+
+
+class DraftMixFFNSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One FFN spec per decoder layer, read from an HF / SpecForge config.json.
+
+    `quantization`: how the checkpoint stores its weights (`quantization_config`); None = unquantized.
+    """
+
+    family: str
+    hidden_size: Annotated[int, msgspec.Meta(ge=1)]
+    layers: tuple[FFNSpec, ...]
+    quantization: QuantSpec | None = None
+
+    @classmethod
+    def from_config(cls, config: dict) -> "DraftMixFFNSpec":
+        """Parse an HF/SpecForge config dict; raises ConfigError naming the key and value."""
+        return parse_ffn_config(config)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, s in enumerate(self.layers) if isinstance(s, DraftMoeFFNSpec))
 
 
 class _View:

@@ -29,7 +29,7 @@ if sys.version_info >= (3, 11):
 else:  # the same parser, before it joined the standard library
     import tomli as tomllib
 
-from epdraft.config.ffn import DraftMixFFNSpec
+from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.errors import ConfigError
 
 # The all-to-all backends that need CUDA GPUs (and an NCCL group): refused here on a CPU config.

@@ -22,7 +22,8 @@ from typing import Literal, Protocol
 import msgspec
 import torch.distributed as dist
 
-from epdraft.config.ffn import DraftMixFFNSpec, DraftMoeFFNSpec
+from epdraft.config.ffn import DraftMoeFFNSpec
+from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.config.parallel import ParallelConfig, check_moe_split
 from epdraft.dispatch.planner import choose_for_config
 from epdraft.errors import ConfigError

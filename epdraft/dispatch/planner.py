@@ -14,7 +14,8 @@ import dataclasses
 import math
 from pathlib import Path
 
-from epdraft.config.ffn import DraftMixFFNSpec, DraftMoeFFNSpec
+from epdraft.config.ffn import DraftMoeFFNSpec
+from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.config.parallel import ParallelConfig
 from epdraft.errors import ConfigError
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from epdraft.config.ffn import DraftDenseFFNSpec, DraftMixFFNSpec
+from epdraft.config.ffn import DraftDenseFFNSpec
+from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.dispatch import Dispatcher
 from epdraft.errors import ConfigError
 from epdraft.layers.mlp import DraftMLP

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from epdraft.config.ffn import DraftMixFFNSpec, DraftMoeFFNSpec
+from epdraft.config.ffn import DraftMoeFFNSpec
+from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.dispatch import Dispatcher, MoeLayout, ReplicatedDispatcher, StepPlan
 from epdraft.kernels.step.ops import ffn_residual
 from epdraft.layers.mlp import DraftMLP, gate_output

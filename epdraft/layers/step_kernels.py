@@ -35,7 +35,8 @@ from typing import Literal
 import msgspec
 import torch
 
-from epdraft.config.ffn import DraftMixFFNSpec, DraftMoeFFNSpec
+from epdraft.config.ffn import DraftMoeFFNSpec
+from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.dispatch import MoeLayout
 from epdraft.errors import ConfigError
 from epdraft.kernels.experts import fused

@@ -15,7 +15,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from epdraft.config.ffn import DraftMixFFNSpec, DraftMoeFFNSpec
+from epdraft.config.ffn import DraftMoeFFNSpec
+from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.config.quant import MXFP4_GROUP, QuantSpec
 from epdraft.errors import LoadError
 from epdraft.loading.quant import dequantize_mxfp4, e8m0_to_float, expand_block_scales

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from epdraft.config.ffn import DraftMixFFNSpec
+from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.errors import ConfigError
 
 MarkovHeadType = Literal["vanilla", "gated", "rnn"]

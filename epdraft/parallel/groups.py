@@ -144,6 +144,20 @@ class Groups:
             device_type=device_type,
         )
 
+    @staticmethod
+    def pair_control(pc: ParallelConfig) -> dist.ProcessGroup:
+        """The group paired target and draft ranks exchange control messages on (disaggregated placement).
+
+        Control messages need tags and CPU tensors: the world group when it is gloo, else a gloo
+        group over the world, bounded by `cluster.timeout_s`. Every rank of the world must call this
+        (group creation is collective), the target ranks too, which `from_config` returns None to.
+        """
+        _, backend = resolve_backend(pc)
+        if backend == "gloo":
+            return dist.group.WORLD
+        timeout = datetime.timedelta(seconds=pc.cluster.timeout_s)
+        return dist.new_group(backend="gloo", timeout=timeout, group_desc="epdraft_pairs")
+
     @classmethod
     def from_process_groups(
         cls,

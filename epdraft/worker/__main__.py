@@ -36,6 +36,7 @@ from epdraft.parallel.failure import write_failure, write_progress
 from epdraft.parallel.log import info_rank0, setup_logging
 from epdraft.parallel.watchdog import Watchdog
 from epdraft.parallel.world import join_world, leave_world
+from epdraft.worker.disagg_job import run_disaggregated_job
 from epdraft.worker.job import RunJob, run_job
 
 log = logging.getLogger("epdraft.worker")
@@ -62,6 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      help="the draft's weights (default: bfloat16 on CUDA, float32 on CPU)")
     job.add_argument("--target-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                      help="the target's weights (default float32)")
+    job.add_argument("--master-addr", default="127.0.0.1",
+                     help="host of node 0, as the launcher gave torchrun (loopback: every rank is on this host)")
     args = parser.parse_args(argv)
     if args.draft and not (args.target and args.prompts):
         parser.error("--draft needs --target and --prompts")
@@ -107,6 +110,8 @@ def run(pc: ParallelConfig, config_path: str, watchdog: Watchdog, job: RunJob | 
     info_rank0(log, None, "health check passed on %d ranks", dist.get_world_size())
     if job is None:
         return None
+    if pc.placement.mode == "disaggregated":
+        return run_disaggregated_job(pc, config_path, groups, job, watchdog)
     return run_job(pc, config_path, groups, job, watchdog)
 
 
@@ -143,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                     show=args.show,
                     dtype=args.dtype,
                     target_dtype=args.target_dtype,
+                    master_addr=args.master_addr,
                 )
             failed = run(pc, args.config, watchdog, job)
         except BaseException as e:

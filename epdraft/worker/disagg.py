@@ -13,7 +13,7 @@ no draft rank has rows, which happens exactly when every target rank has sent `d
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -26,11 +26,6 @@ from epdraft.worker.transfer import BufferSpec, StepPayload
 from epdraft.worker.transfer.base import FEATURE_DTYPES
 
 log = logging.getLogger(__name__)
-
-# The test seam for faults: each hook is called with (global rank, step) as a draft rank's loop
-# enters a step. Empty in every real run; tests/e2e/faults installs one that kills a rank.
-DRAFT_STEP_HOOKS: list[Callable[[int, int], None]] = []
-
 
 def target_buffer_spec(prompt_lens: list[int], block_size: int, feature_dim: int, dtype: torch.dtype) -> BufferSpec:
     """Room for the largest step of a target rank: every prompt at once, or one block per request."""
@@ -124,8 +119,6 @@ def serve_draft_rank(runtime: DraftRuntime, link: PeerLink, targets: tuple[int, 
     last_drafts: dict[int, torch.Tensor] = {}
     step = 0
     while True:
-        for hook in DRAFT_STEP_HOOKS:
-            hook(rank, step)
         anchors: dict[int, int] = {}
         asked: dict[int, list[int]] = {}
         for t in list(live):

@@ -9,9 +9,7 @@ every rank's report and prints the summary.
 
 from __future__ import annotations
 
-import datetime
 import logging
-import os
 import socket
 from collections.abc import Callable
 
@@ -21,13 +19,13 @@ import torch.distributed as dist
 from epdraft.config.parallel import ParallelConfig
 from epdraft.models.spec import check_against_target
 from epdraft.parallel.address import is_loopback
-from epdraft.parallel.groups import Groups, resolve_backend
+from epdraft.parallel.groups import Groups
 from epdraft.parallel.watchdog import Watchdog
 from epdraft.runtime import DraftRuntime, PhaseTimers
 from epdraft.target.heads import HFHeads
 from epdraft.target.hf import HFTarget
 from epdraft.worker.disagg import RemoteDrafter, serve_draft_rank
-from epdraft.worker.job import RankSetup, RunJob, pool_limits
+from epdraft.worker.job import RankSetup, RunJob, finish, pool_limits, rank_setup
 from epdraft.worker.pairing import PeerLink, paired_draft_rank, paired_target_ranks
 from epdraft.worker.serve import assign_prompts, serve_requests
 from epdraft.worker.summary import RankReport
@@ -40,6 +38,24 @@ log = logging.getLogger(__name__)
 _DRAFT_PHASES = ("sync", "draft_context", "draft_propose", "moe_total", "moe_dispatch", "moe_combine")
 
 
+def run_disaggregated_job(
+    pc: ParallelConfig, config_path: str, groups: Groups | None, job: RunJob, watchdog: Watchdog
+) -> str | None:
+    """Serve the job's prompts under disaggregated placement; rank 0 (a target rank) prints (and
+    writes) the summary.
+
+    `groups` is None exactly on target ranks. `watchdog`: this rank's, told each phase. Returns, on
+    rank 0, why the run failed although every rank finished (the lossless check, no token
+    generated); None otherwise.
+    """
+    watchdog.progress(phase="reading the draft config and prompts")
+    setup = rank_setup(pc, job)
+    watchdog.progress(phase="serving (disaggregated)")
+    report, target, select = run_disaggregated(pc, groups, job, setup, watchdog)
+    return finish(report, target, job, pc, config_path, setup.prompts, group=None, root=0, select=select,
+                  watchdog=watchdog)  # fmt: skip
+
+
 def run_disaggregated(
     pc: ParallelConfig, groups: Groups | None, job: RunJob, setup: RankSetup, watchdog: Watchdog
 ) -> tuple[RankReport, HFTarget | None, Callable[[list[RankReport]], list[RankReport]]]:
@@ -50,14 +66,11 @@ def run_disaggregated(
     stopped answering, StepMismatch on a step-id mismatch.
     """
     rank = dist.get_rank()
-    _, backend = resolve_backend(pc)
-    # Control messages need tags and CPU tensors: the world group when it is gloo, else a gloo copy of it.
-    control = dist.group.WORLD
-    if backend != "gloo":
-        timeout = datetime.timedelta(seconds=pc.cluster.timeout_s)
-        control = dist.new_group(backend="gloo", timeout=timeout, group_desc="epdraft_pairs")
+    control = Groups.pair_control(pc)
     transfer_group = control if pc.placement.transfer == "mooncake" else dist.group.WORLD
-    transport = make_transport(pc.placement.transfer, transfer_group, device=setup.device, hostname=_this_host())
+    transport = make_transport(
+        pc.placement.transfer, transfer_group, device=setup.device, hostname=_this_host(job.master_addr)
+    )
     spec = setup.spec
     link = PeerLink(ControlChannel(control, torch.device("cpu"), use_tags=True), transport,
                     role="draft" if groups is not None else "target", block_size=spec.num_drafts + 1)  # fmt: skip
@@ -149,9 +162,10 @@ def _target_reports(pc: ParallelConfig, reports: list[RankReport]) -> list[RankR
     return out
 
 
-def _this_host() -> str:
+def _this_host(master_addr: str) -> str:
     """The address paired ranks reach this rank at (Mooncake's endpoint): loopback when the world's
-    master (MASTER_ADDR, set by torchrun) is loopback, since then every rank is on this host."""
-    if is_loopback(os.environ.get("MASTER_ADDR", "127.0.0.1")):
+    master (`master_addr`, the launcher's `--master-addr`) is loopback, since then every rank is on
+    this host."""
+    if is_loopback(master_addr):
         return "127.0.0.1"
     return socket.gethostbyname(socket.gethostname())

@@ -1,9 +1,11 @@
 """The `run` job of a worker rank: load what this rank holds, serve its prompts, report to rank 0.
 
-One job for both placements. The draft's config.json is read once per rank (`read_draft_spec`)
-and the MoE layout resolved once (`DraftRuntime.from_config`); everything below reads those.
-Colocated: every rank loads the target and a DraftRuntime and serves its share of the prompts
-through `LocalDrafter`. Disaggregated: see `epdraft.worker.disagg_job`.
+What both placements share lives here (the job, the per-rank setup, the report to rank 0), and
+the colocated job itself: every rank loads the target and a DraftRuntime and serves its share of
+the prompts through `LocalDrafter`. The disaggregated job (`epdraft.worker.disagg_job`) builds on
+this module, so the worker's entry point picks between the two and this module never imports it.
+The draft's config.json is read once per rank (`read_draft_spec`) and the MoE layout resolved
+once (`DraftRuntime.from_config`); everything below reads those.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class RunJob(msgspec.Struct, frozen=True, kw_only=True):
     on CPU. target_dtype: the target's weights (float32 by default: the standalone target checks
     losslessness against its own greedy decode, which bf16 batched verify does not reproduce bit
     for bit). show: rank 0 prints (and writes) the first `show` requests' generations.
+    master_addr: the host of node 0 the launcher gave torchrun (`--master-addr`); loopback means
+    every rank is on this host, so paired ranks reach each other there (disaggregated placement).
     """
 
     draft: str
@@ -51,6 +55,7 @@ class RunJob(msgspec.Struct, frozen=True, kw_only=True):
     show: int = 0
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     target_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    master_addr: str = "127.0.0.1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,23 +96,15 @@ def pool_limits(pc: ParallelConfig, job: RunJob, prompts: list[list[int]], mine:
 def run_job(
     pc: ParallelConfig, config_path: str, groups: Groups | None, job: RunJob, watchdog: Watchdog
 ) -> str | None:
-    """Serve the job's prompts; rank 0 prints (and writes) the summary.
+    """Serve the job's prompts on a colocated rank; rank 0 prints (and writes) the summary.
 
-    `groups` is None exactly on a rank that holds no draft (a disaggregated target rank).
     `watchdog`: this rank's, told each phase (a stalled peer is named with its last one).
     Returns, on rank 0, why the run failed although every rank finished (the lossless check, no
     token generated); None otherwise.
     """
+    assert groups is not None, "a colocated rank always holds the draft"
     watchdog.progress(phase="reading the draft config and prompts")
     setup = rank_setup(pc, job)
-    if pc.placement.mode == "disaggregated":
-        from epdraft.worker.disagg_job import run_disaggregated
-
-        watchdog.progress(phase="serving (disaggregated)")
-        report, target, select = run_disaggregated(pc, groups, job, setup, watchdog)
-        return finish(report, target, job, pc, config_path, setup.prompts, group=None, root=0, select=select,
-                      watchdog=watchdog)  # fmt: skip
-    assert groups is not None, "a colocated rank always holds the draft"
     spec = setup.spec
     display = Progress.for_rank(dist.get_rank())
     display.phase("loading the target")

@@ -10,7 +10,8 @@ import msgspec
 import pytest
 import torch.distributed as dist
 
-from epdraft.config.ffn import DraftDenseFFNSpec, DraftMixFFNSpec, DraftMoeFFNSpec, RouterSpec
+from epdraft.config.ffn import DraftDenseFFNSpec, DraftMoeFFNSpec, RouterSpec
+from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.config.parallel import parallel_config_from_dict
 from epdraft.dispatch import MoeLayout, ReplicatedDispatcher, make_dispatcher
 from epdraft.dispatch.alltoall import AllToAllDispatcher

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from epdraft.cli import main as cli_main
-from epdraft.config.ffn import DraftMixFFNSpec, DraftMoeFFNSpec, RouterSpec
+from epdraft.config.ffn import DraftMoeFFNSpec, RouterSpec
+from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.dispatch.planner import GIB, LINKS, choose_layout
 from epdraft.errors import ConfigError
 

@@ -1,5 +1,5 @@
-"""`epdraft run` with a fault installed in its workers (tests/e2e/faults/sitecustomize.py, at
-epdraft's test seam), watched line by line: what the fault tests share."""
+"""`epdraft run` with a fault installed in its workers (tests/e2e/faults/sitecustomize.py wraps an
+epdraft method to inject it), watched line by line: what the fault tests share."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class FaultyRun:
 
 def run_with_fault(fault_env: dict[str, str], args: list[str], seen: str) -> FaultyRun:
     """`epdraft run ARGS --master-port P` with `fault_env` (the fault's variables) in every
-    process's environment and the fault seam on PYTHONPATH; stdout dropped, stderr kept."""
+    process's environment and the fault injection on PYTHONPATH; stdout dropped, stderr kept."""
     marker = uuid.uuid4().hex
     pythonpath = os.pathsep.join(p for p in (str(FAULTS), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", **fault_env, "EPDRAFT_TEST_MARKER": marker, "PYTHONPATH": pythonpath}

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from epdraft.config.ffn import DraftMixFFNSpec
+from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.dispatch import Dispatcher, MoeLayout, StepPlan, make_dispatcher
 from epdraft.errors import ConfigError, LoadError
 from epdraft.layers import DraftMoE, build_ffn

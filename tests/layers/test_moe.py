@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epdraft.config.ffn import ActivationSpec, DraftDenseFFNSpec, DraftMixFFNSpec, DraftMoeFFNSpec, RouterSpec
+from epdraft.config.ffn import ActivationSpec, DraftDenseFFNSpec, DraftMoeFFNSpec, RouterSpec
+from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.dispatch.base import ReplicatedDispatcher
 from epdraft.dispatch.layout import MoeLayout
 from epdraft.errors import ConfigError

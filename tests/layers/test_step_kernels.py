@@ -11,7 +11,8 @@ import msgspec
 import pytest
 import torch
 
-from epdraft.config.ffn import DraftDenseFFNSpec, DraftMixFFNSpec, DraftMoeFFNSpec, RouterSpec
+from epdraft.config.ffn import DraftDenseFFNSpec, DraftMoeFFNSpec, RouterSpec
+from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.config.quant import QuantSpec
 from epdraft.dispatch import MoeLayout
 from epdraft.errors import ConfigError

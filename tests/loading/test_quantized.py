@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from epdraft.config.ffn import ActivationSpec, DraftMixFFNSpec, DraftMoeFFNSpec, RouterSpec
+from epdraft.config.ffn import ActivationSpec, DraftMoeFFNSpec, RouterSpec
+from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.config.quant import QuantSpec, parse_quantization_config
 from epdraft.errors import ConfigError, LoadError
 from epdraft.layers import DraftMoE

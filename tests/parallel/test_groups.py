@@ -138,6 +138,22 @@ def test_world_mismatch_engine_groups_and_errors():
     run_ranks(4, check_errors_and_engine_groups, timeout_s=100)
 
 
+def check_pair_control(rank: int, world: int) -> None:
+    pc = _config(world, 1, 1, "replicated", nnodes=2, draft_nodes=(1,))
+    assert Groups.pair_control(pc) is dist.group.WORLD  # a gloo world carries the control messages itself
+    # Under NCCL the messages need a gloo group over the whole world, target ranks included.
+    with mock.patch("epdraft.parallel.groups.resolve_backend", return_value=("cuda", "nccl")):
+        control = Groups.pair_control(pc)
+    assert control is not dist.group.WORLD and dist.get_backend(control) == "gloo"
+    assert dist.get_process_group_ranks(control) == list(range(world))
+    check_all_reduce(control, "pairs")
+
+
+@pytest.mark.timeout(120)
+def test_pair_control_group_spans_the_world_on_gloo():
+    run_ranks(2, check_pair_control, timeout_s=100)
+
+
 def test_resolve_backend_and_layout_table():
     pc = _config(4, 2, 2, "gather")
     assert resolve_backend(pc) == ("cpu", "gloo")

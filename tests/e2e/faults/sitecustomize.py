@@ -3,8 +3,8 @@
 Only torchrun's workers (they carry RANK) install anything, and only when a variable asks:
 
 - EPDRAFT_TEST_KILL_DRAFT_AT="RANK:STEP": global rank RANK SIGKILLs itself as its disaggregated
-  draft loop enters step STEP, the way a crashed node disappears (a hook at epdraft's seam
-  `epdraft.worker.disagg.DRAFT_STEP_HOOKS`).
+  draft loop enters step STEP, the way a crashed node disappears: `PeerLink.recv_target_step`,
+  the loop's first call of a step (before any of the step's messages is read), wrapped here.
 - EPDRAFT_TEST_SIGNAL_AT="RANK:STEP:SIGNAL" (e.g. "1:3:SIGSTOP"): global rank RANK sends itself
   SIGNAL as `DraftRuntime.propose` enters step STEP (colocated runs), wrapped here.
 
@@ -24,17 +24,19 @@ if (_kill_spec or _signal_spec) and "RANK" in os.environ:  # only torchrun's wor
 
     _log = logging.getLogger("epdraft.tests.faults")
 
-if _kill_spec and "RANK" in os.environ:
-    from epdraft.worker import disagg
+if _kill_spec and "RANK" in os.environ and os.environ["RANK"] == _kill_spec.split(":")[0]:
+    from epdraft.worker import pairing as _pairing
 
-    _who, _, _at = _kill_spec.partition(":")
+    _kill_step = int(_kill_spec.split(":")[1])
+    _recv_target_step = _pairing.PeerLink.recv_target_step
 
-    def _kill_at(rank: int, step: int) -> None:
-        if rank == int(_who) and step == int(_at):
+    def _kill_then_recv(self, target, step, *args, **kwargs):
+        if step == _kill_step:
             _log.warning("%s: killing this rank at step %d", KILL_AT_STEP_ENV, step)
             os.kill(os.getpid(), signal.SIGKILL)
+        return _recv_target_step(self, target, step, *args, **kwargs)
 
-    disagg.DRAFT_STEP_HOOKS.append(_kill_at)
+    _pairing.PeerLink.recv_target_step = _kill_then_recv
 
 if _signal_spec and "RANK" in os.environ and os.environ["RANK"] == _signal_spec.split(":")[0]:
     from epdraft.runtime import draft as _draft
