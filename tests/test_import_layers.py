@@ -1,5 +1,6 @@
 """DESIGN.md's layer order, enforced: every import in epdraft/ (module level or inside a function)
-goes down the list, and no two packages import each other.
+goes down the list, no two packages import each other, no two files import each other (through any
+chain), and kernels import nothing but errors.
 
     cli, launch, run, check, preflight, bench  ->  worker  ->  runtime  ->  parallel, models, target
         ->  layers, dispatch, loading, kernels  ->  config  ->  errors
@@ -89,6 +90,76 @@ def test_no_two_packages_import_each_other():
     pairs = {(u, t) for _, _, u, t in _edges()}
     mutual = sorted({tuple(sorted(p)) for p in pairs if (p[1], p[0]) in pairs})
     assert not mutual, f"packages importing each other: {mutual}"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """module -> the epdraft modules it imports (module level or inside a function), a package's
+    name standing for its `__init__.py`; `from epdraft.x import y` counts as importing epdraft.x.y
+    when that is a module, else epdraft.x."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+    def known(name: str) -> str:
+        while name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for line, module in _imports(path, package):
+            targets.add(known(module))
+        for node in ast.walk(tree):  # `from epdraft.x import submodule`
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("epdraft"):
+                targets |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules}
+        graph[name] = targets - {name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            members = []
+            while True:
+                w = stack.pop()
+                members.append(w)
+                if w == v:
+                    break
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_file_level_import_cycle():
+    """No module imports (directly or through others, function-level imports included) one that
+    imports it back: each file can be read, tested and moved on its own."""
+    cycles = _cycles(_module_graph())
+    assert not cycles, "import cycles between files:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_finds_a_cycle():
+    """The checker itself, on a graph with one cycle of three and a tail."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
 
 
 def test_kernels_import_only_errors():
