@@ -176,6 +176,7 @@ def _profile(fn, top: int) -> tuple[int, float, list[tuple[str, int, float]]]:
 def main(args: argparse.Namespace) -> int:
     from epdraft.config.hf import read_config_json
     from epdraft.models.protocol import DRAFT_FAMILIES
+    from epdraft.models.reference import reference_step
     from epdraft.models.spec import DraftModelSpec
     from epdraft.runtime.graphs import StepGraphs
 
@@ -213,7 +214,7 @@ def main(args: argparse.Namespace) -> int:
             pool.v[layer].normal_()
         pool.lengths.fill_(context)
         graphs, no_pdl_graphs = (StepGraphs(
-            lambda s, a, plan: draft.propose_pooled(pool, s, a, heads, plan), pad_slot=pool.pad_slot,
+            lambda s, a, plan: draft.step(pool, s, a, heads, plan), pad_slot=pool.pad_slot,
             buckets=tuple(sorted(set(requests))), block_size=B, device=device,
         ) for _ in range(2))  # fmt: skip
         for n in requests:
@@ -221,22 +222,22 @@ def main(args: argparse.Namespace) -> int:
             anchors = torch.randint(0, spec.vocab_size - 1, (n,), device=device)
             plan = StepPlan(step=0, ranks=(0,), counts=(n * B,))
             with torch.no_grad():
-                eager = _time_ms(lambda: draft.propose_pooled(pool, slots, anchors, heads, plan), args.steps, args.warmup)
+                eager = _time_ms(lambda: draft.step(pool, slots, anchors, heads, plan), args.steps, args.warmup)
                 with launch.pdl_off():  # a PDL kernel's time would count its wait for the one before
-                    kernels, busy_us, top = _profile(lambda: draft.propose_pooled(pool, slots, anchors, heads, plan),
+                    kernels, busy_us, top = _profile(lambda: draft.step(pool, slots, anchors, heads, plan),
                                                      args.profile)  # fmt: skip
                 slot_list, anchor_list = slots.tolist(), anchors.tolist()
                 graph = _time_ms(lambda: graphs.run(slot_list, anchor_list, plan), args.steps, args.warmup)
                 with launch.pdl_off():  # captured on its first run, inside the block
                     no_pdl = _time_ms(lambda: no_pdl_graphs.run(slot_list, anchor_list, plan), args.steps, args.warmup)
-                drafts = draft.propose_pooled(pool, slots, anchors, heads, plan)[0]
-                same = torch.equal(graphs.run(slot_list, anchor_list, plan)[0], drafts) and torch.equal(
-                    no_pdl_graphs.run(slot_list, anchor_list, plan)[0], drafts
+                drafts = draft.step(pool, slots, anchors, heads, plan).drafts_NK
+                same = torch.equal(graphs.run(slot_list, anchor_list, plan).drafts_NK, drafts) and torch.equal(
+                    no_pdl_graphs.run(slot_list, anchor_list, plan).drafts_NK, drafts
                 )
                 cache = None
                 if not args.no_cache_path:
                     caches = _caches_from_pool(draft, pool, n, context)
-                    cache = _time_ms(lambda: draft.propose(caches, anchors, heads, plan), args.steps, args.warmup)
+                    cache = _time_ms(lambda: reference_step(draft, caches, anchors, heads, plan), args.steps, args.warmup)
                     del caches
             floor_s, nbytes, flops = floor_seconds(draft, heads, n, context)
             floor = floor_s * 1e3
@@ -367,7 +368,9 @@ def _one_line(e: BaseException, width: int = 200) -> str:
 
 def _caches_from_pool(draft, pool, n: int, context: int):
     """DraftCaches holding the same context as pool slots [0, n) (for the cache-based step)."""
-    caches = [draft.new_cache() for _ in range(n)]
+    from epdraft.models.reference import new_cache
+
+    caches = [new_cache(draft) for _ in range(n)]
     for i, cache in enumerate(caches):
         for layer in range(draft.spec.num_layers):
             cache.append(layer, pool.k[layer][i, :, :context], pool.v[layer][i, :, :context])

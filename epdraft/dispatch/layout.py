@@ -22,10 +22,10 @@ from typing import Literal, Protocol
 import msgspec
 import torch.distributed as dist
 
+import epdraft.dispatch.planner as planner  # the module, not the package (whose __init__ imports this file)
 from epdraft.config.ffn import DraftMoeFFNSpec
 from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.config.parallel import ParallelConfig, check_moe_split
-from epdraft.dispatch.planner import choose_for_config
 from epdraft.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
                 )
         layout, padding, reason = d.moe_layout, d.dp_padding, None
         if layout == "auto":
-            choice = choose_for_config(pc, ffn)
+            choice = planner.choose_for_config(pc, ffn)
             layout, padding, reason = choice.layout, choice.dp_padding, choice.reason
             log.info("draft.moe_layout = 'auto' -> %s", reason)
         facts = dict(

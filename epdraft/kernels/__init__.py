@@ -6,7 +6,7 @@
                activations, skinny projections, block attention
     launch.py  what every launch shares (PDL, tile sizing)
 
-Which family runs for a rank is decided once, by `epdraft.models.step_kernels.StepKernels`; each family
+Which family runs for a rank is decided once, by `epdraft.layers.step_kernels.StepKernels`; each family
 says why it cannot run (`unsupported_reason`). Importing this package imports neither Triton nor
 touches CUDA: a kernel module is loaded the first time one of its kernels launches.
 """

@@ -24,6 +24,8 @@ from collections.abc import Iterator
 
 import torch
 
+from epdraft.errors import ConfigError
+
 _enabled = True
 
 
@@ -80,3 +82,12 @@ def unsupported_reason(device_type: str) -> str | None:
     if not triton_installed():
         return "Triton is not installed (pip install 'epdraft[gpu]')"
     return None
+
+
+def refuse_autograd(op: str, *tensors: torch.Tensor | None) -> None:
+    """ConfigError when `op` is asked for gradients: its launches have no backward, and returning
+    outputs without a grad_fn would drop a training step's gradients silently. A draft trained with
+    autograd is built with `StepKernels.reference()` (its torch chains)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise ConfigError(f"{op}: the Triton step kernels have no backward and this call needs gradients; build "
+                          "the draft with kernels=StepKernels.reference() to train it")

@@ -49,8 +49,7 @@ class DraftMoE(nn.Module):
         layout = dispatcher.layout
         if kernels is None:
             ffn = DraftMixFFNSpec(family="moe", hidden_size=hidden_size, layers=(spec,))
-            kernels = StepKernels.resolve(device if device is not None else "cpu", dtype or torch.get_default_dtype(),
-                                          ffn=ffn, layout=layout)  # fmt: skip
+            kernels = StepKernels.for_device(device, dtype, ffn=ffn, layout=layout)
         self.kernels = kernels
         shard = ExpertShard(
             num_experts=spec.num_experts,

@@ -30,7 +30,7 @@ trained with autograd is built with `StepKernels.reference()`.
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from typing import Callable, Literal
 
 import msgspec
 import torch
@@ -43,6 +43,15 @@ from epdraft.kernels.experts import fused
 from epdraft.kernels.step import attention, ops, skinny
 
 log = logging.getLogger(__name__)
+
+# op -> (its kernel family's implementation, the torch fallback, the family's
+# unsupported_reason(device_type, dtype)); adding a family is a field below and a line here
+FAMILIES: dict[str, tuple[str, str, Callable[[str, torch.dtype], str | None]]] = {
+    "step_ops": ("triton", "torch", ops.unsupported_reason),
+    "projections": ("skinny", "torch", skinny.unsupported_reason),
+    "attention": ("triton", "torch", attention.unsupported_reason),
+    "experts": ("fused", "reference", fused.unsupported_reason),
+}
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
@@ -72,11 +81,15 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
         return cls()
 
     @classmethod
-    def for_device(cls, device: torch.device | str | None, dtype: torch.dtype | None) -> StepKernels:
-        """`resolve` for a module built on its own (tests, tools): its device (default CPU) and dtype
-        (default torch's), no draft-level facts, no graphs. The runtime resolves one value per rank
-        and hands it to every module instead."""
-        return cls.resolve(device if device is not None else "cpu", dtype or torch.get_default_dtype())
+    def for_device(
+        cls, device: torch.device | str | None, dtype: torch.dtype | None, *, ffn: DraftMixFFNSpec | None = None,
+        layout: MoeLayout | None = None,
+    ) -> StepKernels:
+        """`resolve` for a module built on its own (tests, tools), whose device (default CPU) and dtype
+        (default torch's) may be unset; no graphs. The runtime resolves one value per rank and hands it
+        to every module instead."""
+        device = device if device is not None else "cpu"
+        return cls.resolve(device, dtype or torch.get_default_dtype(), ffn=ffn, layout=layout)
 
     @classmethod
     def resolve(
@@ -99,12 +112,7 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
         """
         device_type = torch.device(device).type
         has_moe = ffn is not None and bool(ffn.moe_layers)
-        why = {
-            "step ops": ops.unsupported_reason(device_type),
-            "projections": skinny.unsupported_reason(device_type, dtype),
-            "attention": attention.unsupported_reason(device_type),
-            "experts": fused.unsupported_reason(device_type, dtype),
-        }
+        why = {op: unsupported_reason(device_type, dtype) for op, (_, _, unsupported_reason) in FAMILIES.items()}
         tp_size = layout.tp_size if layout is not None else 1
         quantized_why = quantized_experts_reason(ffn, tp_size=tp_size, device_type=device_type, dtype=dtype)
         quantized_why = quantized_why or why["experts"]
@@ -113,22 +121,19 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
             dequantized = (f"{quantized[0][1].quantization.method} checkpoint dequantized to "
                            f"{str(dtype).removeprefix('torch.')} at load ({quantized_why})")  # fmt: skip
         # on CUDA, an op on its torch path is worth a warning (a draft without MoE layers has no experts to run)
-        shown = {op: w for op, w in why.items() if w is not None and (op != "experts" or has_moe)}
+        shown = [f"{op}: {w}" for op, w in why.items() if w is not None and (op != "experts" or has_moe)]
         kernels = cls(
-            step_ops="triton" if why["step ops"] is None else "torch",
-            projections="skinny" if why["projections"] is None else "torch",
-            attention="triton" if why["attention"] is None else "torch",
-            experts="fused" if why["experts"] is None else "reference",
+            **{op: slow if why[op] is not None else fast for op, (fast, slow, _) in FAMILIES.items()},
             quantized_experts=quantized_why is None,
             graphs=graphs,
-            reasons=tuple(f"{op}: {w}" for op, w in shown.items()) if device_type == "cuda" else (),
+            reasons=tuple(shown) if device_type == "cuda" else (),
             dequantized=dequantized,
         )
         if graphs:
-            kernels._check_capturable(device_type, layout, has_moe)
+            kernels._check_capturable(device_type, layout, why["experts"] if has_moe else None)
         return kernels
 
-    def _check_capturable(self, device_type: str, layout: MoeLayout | None, has_moe: bool) -> None:
+    def _check_capturable(self, device_type: str, layout: MoeLayout | None, experts_why: str | None) -> None:
         if device_type != "cuda":
             raise ConfigError("draft.cuda_graphs = true needs CUDA, and this rank's draft runs on the CPU")
         if layout is not None and not layout.capturable:
@@ -136,10 +141,10 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
                 f"draft.cuda_graphs = true: {layout.label} dispatch syncs with the host and cannot be captured; "
                 "use draft.a2a_backend = 'torch_fixed' (or moe_layout gather / replicated, deepep with low_latency)"
             )
-        if has_moe and self.experts == "reference":
+        if experts_why is not None:
             raise ConfigError(
                 "draft.cuda_graphs = true: the routed experts run the per-expert reference loop, which syncs "
-                f"with the host and cannot be captured ({self.reasons[-1] if self.reasons else 'no fused kernels'})"
+                f"with the host and cannot be captured ({experts_why})"
             )
 
     @property

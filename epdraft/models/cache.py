@@ -1,4 +1,5 @@
-"""The draft's per-request KV cache: context K/V only (block K/V are recomputed every step).
+"""The per-request KV cache of the step's oracle (`epdraft.models.reference`): context K/V only
+(block K/V are recomputed every step). The runtime keeps context in a KV pool (`kv_pool.py`).
 
 Context rows only ever grow (one verify's committed rows at a time), so each layer keeps a
 preallocated [g, capacity, D] buffer that doubles when full: a generation of L rows copies O(L)

@@ -1,13 +1,14 @@
 """DFlashDraft: a block drafter conditioned on target features (SpecForge DFlash, dense or MoE FFNs).
 
-One propose step per rank: the block [anchor, MASK x (B-1)] of every request of the rank is embedded
-with the target's embedding, runs through the layers (attention per request over its cached
-context, the FFN once over ALL the rank's rows), and the target's lm_head reads the drafts out:
-rows 1..B-1 as B-1 greedy drafts (mask-filling readout) or rows 0..B-1 as B (autoregressive).
+One step per rank (`DFlashDraft.step`): the block [anchor, MASK x (B-1)] of every request of the
+rank is embedded with the target's embedding, runs through the layers (attention per request over
+its context, read in place from the KV pool; the FFN once over ALL the rank's rows), and the
+target's lm_head reads the drafts out: rows 1..B-1 as B-1 greedy drafts (mask-filling readout) or
+rows 0..B-1 as B (autoregressive). `extend` writes committed rows' context K/V into the pool.
 
 Full-attention layers see the whole context and the whole block; sliding-window layers see the
 context within the window of each query's position and the block causally (SpecForge's training
-mask), and cache only the last W-1 context rows.
+mask). `epdraft.models.reference` runs the same layers over per-request caches: the tests' oracle.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from epdraft.layers.step_kernels import StepKernels
 from epdraft.layers.mlp import DraftMLP
 from epdraft.layers.moe import DraftMoE
 from epdraft.models.attention import DFlashAttention, RMSNorm
-from epdraft.models.cache import ContextScratch, DraftCache, context_mask, padded_context
 from epdraft.models.kv_pool import KVPool
 from epdraft.models.spec import DraftModelSpec
+from epdraft.models.step import DraftStep
 
 
 class TargetHeads(Protocol):
@@ -192,34 +193,17 @@ class DFlashDraft(nn.Module):
 
     @property
     def num_drafts(self) -> int:
-        """Drafts `propose` returns per request: B-1 (mask-filling readout) or B (autoregressive)."""
+        """Drafts a step returns per request: B-1 (mask-filling readout) or B (autoregressive)."""
         return self.spec.num_drafts
-
-    def new_cache(self) -> DraftCache:
-        return DraftCache(self.spec.num_layers, [self.spec.window(i) for i in range(self.spec.num_layers)])
 
     def fuse_features(self, features_LF: torch.Tensor) -> torch.Tensor:
         """target_hidden [..., H] = hidden_norm(fc(features)), features [..., K*H] in target_layer_ids order."""
         return self.hidden_norm(self.fc(features_LF.to(self.fc.weight.dtype)))
 
-    def extend_context(self, cache: DraftCache, features_LF: torch.Tensor) -> None:
-        """Append the committed rows' target features [L, K*H] to a request's context (local, no FFN)."""
-        self.extend_contexts([cache], [features_LF])
-
-    @torch.no_grad()
-    def extend_contexts(self, caches: Sequence[DraftCache], features: Sequence[torch.Tensor]) -> None:
-        """`extend_context` for many requests at once: one fc and one K/V projection per layer over
-        all their new rows (rows are independent: each keeps its own request's positions), then
-        each request's slice goes to its cache. Per-request calls are launch-bound on a GPU."""
-        # A sliding layer's cache keeps only the last W-1 of these rows (DraftCache.append).
-        for layer, i, k_gLD, v_gLD in self._context_rows([c.length for c in caches], features):
-            caches[i].append(layer, k_gLD, v_gLD)
-        for cache, f in zip(caches, features):
-            cache.length += f.shape[0]
-
-    def _context_rows(self, starts: Sequence[int], features: Sequence[torch.Tensor]):
-        """Yield (layer, request index, k [g, L, D], v) of every request's new rows, request i's
-        at positions starts[i]..: one fc and one K/V projection per layer over all the rows."""
+    def context_rows(self, starts: Sequence[int], features: Sequence[torch.Tensor]):
+        """Yield (layer, request index, k [g, L, D], v) of every request's new context rows, request
+        i's at positions starts[i]..: one fc and one K/V projection per layer over all the requests'
+        rows (rows are independent; per-request calls are launch-bound on a GPU)."""
         lens = [f.shape[0] for f in features]
         if sum(lens) == 0:
             return
@@ -241,8 +225,9 @@ class DFlashDraft(nn.Module):
         )  # fmt: skip
 
     @torch.no_grad()
-    def extend_pool(self, pool: KVPool, request_ids: Sequence[int], features: Sequence[torch.Tensor]) -> None:
-        """`extend_contexts` into a KV pool: each request's new rows go to its slot, in place.
+    def extend(self, pool: KVPool, request_ids: Sequence[int], features: Sequence[torch.Tensor]) -> None:
+        """Append each request's committed rows' target features [L_i, K*H] to its context in `pool`
+        (local, no FFN): each request's new K/V rows go to its slot, in place.
 
         Raises RequestError naming draft.max_context (before writing anything) when a request's
         rows do not fit.
@@ -251,24 +236,27 @@ class DFlashDraft(nn.Module):
             pool.check_room(rid, f.shape[0])
         starts = [pool.length(rid) for rid in request_ids]
         slots = [pool.slot(rid) for rid in request_ids]
-        for layer, i, k_gLD, v_gLD in self._context_rows(starts, features):
+        for layer, i, k_gLD, v_gLD in self.context_rows(starts, features):
             pool.write(layer, slots[i], starts[i], k_gLD, v_gLD)
         for rid, f in zip(request_ids, features):
             pool.commit(rid, f.shape[0])
 
     @torch.no_grad()
-    def propose_pooled(
+    def step(
         self, pool: KVPool, slots_N: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None
-    ) -> torch.Tensor:
-        """`propose` over a KV pool: slots_N [N] int64 (the requests' slots, or the pad slot),
-        anchors_N [N] int64, both on the draft's device. Returns drafts [N, num_drafts] int64 and
-        [num_layers] bool (each layer's output finite) there, for the caller to check with
-        `check_finite` once it reads the drafts anyway.
+    ) -> DraftStep:
+        """The draft step: the blocks [anchor, MASK x (B-1)] of N requests through every layer, each
+        request's context read in place from `pool`, the FFN once over all N * B rows (N may be 0:
+        every MoE layer still enters its collectives with `plan`, the step's agreed row counts;
+        None: a single process), then the drafts read out.
 
-        No host sync on CUDA and shapes that depend on N only: a CUDA graph can hold it.
+        slots_N [N] int64 (the requests' slots, or the pad slot), anchors_N [N] int64 (the last
+        verified tokens), both on the draft's device. No host sync on CUDA and shapes that depend
+        on N only: a CUDA graph can hold it. The caller checks `DraftStep.finite_L` with
+        `check_finite` once it reads the drafts anyway.
         """
         B, device = self.spec.block_size, self.device
-        ids_NB, x = self._embed_blocks(anchors_N, heads)
+        ids_NB, x = self.embed_blocks(anchors_N, heads)
         positions_NB = pool.lengths[slots_N].long().unsqueeze(1) + torch.arange(B, device=device)
         nonfinite_L = torch.zeros(self.spec.num_layers, dtype=torch.int32, device=device)
         for i, layer in enumerate(self.layers):
@@ -277,8 +265,8 @@ class DFlashDraft(nn.Module):
                 flag_nonfinite(x, nonfinite_L[i : i + 1])
             else:
                 nonfinite_L[i] = ~torch.isfinite(x).all()
-        hidden = self.norm(x)
-        return self.readout(self.draft_rows(hidden), anchors_N, heads), nonfinite_L == 0
+        drafts_NK, confidence_NK = self.read_out(self.draft_rows(self.norm(x)), anchors_N, heads)
+        return DraftStep(drafts_NK, nonfinite_L == 0, confidence_NK)
 
     def forward(
         self,
@@ -307,67 +295,19 @@ class DFlashDraft(nn.Module):
             x = layer(x, positions_NQ, k, v, mask, input_ids_NQ=input_ids_NQ)
         return self.norm(x)
 
-    def block_hidden(
-        self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None = None
-    ) -> torch.Tensor:
-        """Final-normed hidden [N, B, H] of the blocks [anchor, MASK x (B-1)] over each request's context."""
-        return self._block_hidden(caches, anchors_N, heads, plan)[0]
-
-    def _embed_blocks(self, anchors_N: torch.Tensor, heads: TargetHeads) -> tuple[torch.Tensor, torch.Tensor]:
+    def embed_blocks(self, anchors_N: torch.Tensor, heads: TargetHeads) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks [anchor, MASK x (B-1)]: ids [N, B] and their target embeddings [N, B, H]."""
         ids_NB = torch.full((anchors_N.shape[0], self.spec.block_size), self.spec.mask_token_id, dtype=torch.long,
                             device=self.device)  # fmt: skip
         ids_NB[:, 0] = anchors_N.to(self.device)
         return ids_NB, heads.embed(ids_NB).to(self.fc.weight.dtype)
 
-    def _block_hidden(
-        self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`block_hidden`, and [num_layers] bool on the device: whether each layer's output is finite.
-
-        The flags stay on the device (no host sync per layer); `propose` reads them once.
-        """
-        B, device = self.spec.block_size, self.device
-        ids_NB, x = self._embed_blocks(anchors_N, heads)
-        starts = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
-        positions_NB = starts.unsqueeze(1) + torch.arange(B, device=device)
-        # One mask and one scratch per attention kind (full, or the sliding window): their widths differ.
-        masks: dict[int | None, torch.Tensor] = {}
-        scratches: dict[int | None, ContextScratch] = {}
-        finite_L = []
-        for i, layer in enumerate(self.layers):
-            attn, w = layer.self_attn, layer.window
-            if w not in masks:
-                masks[w], scratches[w] = context_mask(caches, B, device, w), ContextScratch()
-            k, v = padded_context(caches, i, x, attn.num_kv_heads, attn.head_dim, scratches[w])
-            x = layer(x, positions_NB, k, v, masks[w], plan, ids_NB)
-            finite_L.append(torch.isfinite(x).all())
-        return self.norm(x), torch.stack(finite_L)
-
     def draft_rows(self, hidden_NBH: torch.Tensor) -> torch.Tensor:
         """The block rows that draft a token, in order: rows 1..B-1 (mask-filling) or 0..B-1 (autoregressive)."""
         return hidden_NBH[:, 1:] if self.spec.readout == "mask_filling" else hidden_NBH
 
-    def readout(self, hidden_NkH: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads) -> torch.Tensor:
-        """Greedy drafts [N, k] from the hidden of the drafting rows (`draft_rows`)."""
-        return heads.lm_head(hidden_NkH).argmax(dim=-1)
-
-    @torch.no_grad()
-    def propose(
-        self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None = None
-    ) -> torch.Tensor:
-        """`num_drafts` greedy drafts [N, num_drafts] int64 per request; N may be 0 (every FFN still runs once).
-
-        caches[i] holds request i's context (its `length` is the anchor's position); anchors_N [N]
-        are the last verified tokens (the verify's bonus, or prefill's first token); `plan` is the
-        step's agreed row counts, passed to every MoE layer (None: a single process).
-
-        Raises NonFiniteError naming the first layer whose output went NaN or inf: drafts read
-        from it would be garbage that only lowers the accept length, silently.
-        """
-        hidden, finite_L = self._block_hidden(caches, anchors_N, heads, plan)
-        drafts = self.readout(self.draft_rows(hidden), anchors_N, heads)
-        # The step's one host read of the flags, queued after the readout: the caller reads the
-        # drafts right after, so on a GPU this sync is the one that would happen anyway.
-        check_finite(finite_L, f"over {len(caches)} requests' blocks", hidden.dtype)
-        return drafts
+    def read_out(
+        self, hidden_NkH: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(greedy drafts [N, k] int64, None: DFlash has no confidence) from the drafting rows' hidden."""
+        return heads.lm_head(hidden_NkH).argmax(dim=-1), None

@@ -17,10 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epdraft.dispatch import Dispatcher, StepPlan
+from epdraft.dispatch import Dispatcher
 from epdraft.errors import ConfigError
 from epdraft.layers.step_kernels import StepKernels
-from epdraft.models.cache import DraftCache
 from epdraft.models.dflash import DFlashDraft, TargetHeads
 from epdraft.models.spec import DraftModelSpec
 
@@ -106,8 +105,17 @@ class DSparkDraft(DFlashDraft):
             width = spec.hidden_size + (spec.markov_rank if spec.confidence_head_with_markov else 0)
             self.confidence_head = ConfidenceHead(width, device=device)
 
-    def readout(self, hidden_NkH: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads) -> torch.Tensor:
-        return self.markov_head.decode(heads.lm_head(hidden_NkH), hidden_NkH, anchors_N)
+    def read_out(
+        self, hidden_NkH: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(drafts [N, k] from the Markov head's decode, each draft's confidence [N, k] fp32 when
+        the export has a confidence head, else None): read from the same hidden row as the draft,
+        with the token before it (the anchor for the first)."""
+        drafts = self.markov_head.decode(heads.lm_head(hidden_NkH), hidden_NkH, anchors_N)
+        if self.confidence_head is None:
+            return drafts, None
+        prev = torch.cat([anchors_N.to(drafts.device).unsqueeze(1), drafts[:, :-1]], dim=1)
+        return drafts, self.confidence(hidden_NkH, prev)
 
     @torch.no_grad()
     def confidence(self, hidden_NkH: torch.Tensor, prev_Nk: torch.Tensor) -> torch.Tensor:
@@ -121,14 +129,3 @@ class DSparkDraft(DFlashDraft):
         if self.spec.confidence_head_with_markov:
             inputs = torch.cat([hidden_NkH, self.markov_head.markov_w1(prev_Nk).to(hidden_NkH.dtype)], dim=-1)
         return self.confidence_head(inputs)
-
-    @torch.no_grad()
-    def propose_scored(
-        self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(drafts [N, num_drafts] int64, confidence [N, num_drafts] fp32): `propose` plus each draft's score,
-        read from the same hidden row as the draft with the token before it (the anchor for the first)."""
-        rows = self.draft_rows(self.block_hidden(caches, anchors_N, heads, plan))
-        drafts = self.readout(rows, anchors_N, heads)
-        prev = torch.cat([anchors_N.to(drafts.device).unsqueeze(1), drafts[:, :-1]], dim=1)
-        return drafts, self.confidence(rows, prev)

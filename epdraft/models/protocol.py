@@ -6,21 +6,24 @@ A new family is a module with a class that has these methods, plus one line in `
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
 
 from epdraft.dispatch import Dispatcher, StepPlan
 from epdraft.layers.step_kernels import StepKernels
-from epdraft.models.cache import DraftCache
 from epdraft.models.dflash import DFlashDraft, TargetHeads
 from epdraft.models.dspark import DSparkDraft
+from epdraft.models.kv_pool import KVPool
 from epdraft.models.spec import DraftModelSpec
+from epdraft.models.step import DraftStep
 
 
 class DraftModel(Protocol):
-    """One rank's draft: per-request context caches, context extension, and the block proposal."""
+    """One rank's draft as the runtime drives it: a KV pool of the requests' context, context
+    extension into it, and the step. (An `nn.Module`: the runtime also walks its modules to name
+    the MoE layer a lost peer left it in.)"""
 
     spec: DraftModelSpec
     kernels: StepKernels
@@ -41,19 +44,22 @@ class DraftModel(Protocol):
         """Where the draft's weights live."""
         ...
 
-    def new_cache(self) -> DraftCache:
-        """An empty context for one request."""
+    def new_pool(self, *, max_requests: int, max_context: int) -> KVPool:
+        """The KV pool of the requests' context K/V, allocated once."""
         ...
 
-    def extend_contexts(self, caches: Sequence[DraftCache], features: Sequence[torch.Tensor]) -> None:
+    def extend(self, pool: KVPool, request_ids: Sequence[int], features: Sequence[torch.Tensor]) -> None:
         """Append each request's committed rows' target features [L_i, K*H] to its context (local, no FFN)."""
         ...
 
-    def propose(
-        self, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None
-    ) -> torch.Tensor:
-        """[N, num_drafts] int64 drafts; N may be 0, every MoE layer still enters its collectives with `plan`."""
+    def step(
+        self, pool: KVPool, slots_N: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None
+    ) -> DraftStep:
+        """Drafts for N requests (N may be 0: every MoE layer still enters its collectives with
+        `plan`), on the device, with no host sync: a CUDA graph can hold it."""
         ...
+
+    def modules(self) -> Iterator[torch.nn.Module]: ...
 
 
 class DraftFamily(Protocol):

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from epdraft.errors import ConfigError
-from epdraft.models.dflash import DFlashDraft
+from epdraft.models.dflash import DFlashDraft, check_finite
 from epdraft.target.base import Target
 
 
@@ -32,25 +32,30 @@ def speculative_generate(
 ) -> SpeculativeOutput:
     """Greedy speculative decode of one prompt; lossless: tokens equal the target's own greedy decode.
 
-    prefill -> draft context = prompt features, anchor = first token; then per step: propose B-1
-    drafts, verify [anchor, drafts], append the committed rows' features to the draft context,
-    emit accepted drafts + bonus, anchor = bonus.
+    prefill -> draft context = prompt features, anchor = first token; then per step: the draft's
+    step proposes its drafts, verify [anchor, drafts], append the committed rows' features to the
+    draft context, emit accepted drafts + bonus, anchor = bonus. One request in a KV pool sized for
+    the whole generation, the runtime's step without its sync.
     """
     if tuple(target.feature_layer_ids) != tuple(draft.spec.target_layer_ids):
         raise ConfigError(
             f"target features {list(target.feature_layer_ids)} != draft target_layer_ids {list(draft.spec.target_layer_ids)}"
         )
     pre = target.prefill([request_id], [list(prompt_ids)])
+    pool = draft.new_pool(max_requests=1, max_context=len(prompt_ids) + max_new_tokens + draft.block_size)
+    pool.admit(request_id)
+    slots_N = torch.tensor([pool.slot(request_id)], device=draft.device)
     try:
-        cache = draft.new_cache()
-        draft.extend_context(cache, pre.features)
+        draft.extend(pool, [request_id], [pre.features])
         anchor = pre.first_tokens[:1]
         tokens, accept_lens = [int(anchor[0])], []
         while len(tokens) < max_new_tokens:
-            drafts = draft.propose([cache], anchor, target)
+            step = draft.step(pool, slots_N, anchor.to(draft.device), target, None)
+            check_finite(step.finite_L, "one request's block", pool.k[0].dtype)
+            drafts = step.drafts_NK
             block = torch.cat([anchor.to(drafts.device).unsqueeze(1), drafts], dim=1)
             result = target.verify([request_id], block)
-            draft.extend_context(cache, result.features)
+            draft.extend(pool, [request_id], [result.features])
             tokens += result.emitted(0)
             accept_lens.append(int(result.accept_lens[0]))
             anchor = result.bonus[:1]

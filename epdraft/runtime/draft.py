@@ -54,14 +54,18 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class Proposal:
-    """One step's drafts on this rank: drafts[request_id] = [B-1] int64 tokens; plan as agreed by all ranks."""
+    """One step's drafts on this rank: drafts[request_id] = [num_drafts] int64 tokens; plan as agreed
+    by all ranks; confidence[request_id] = [num_drafts] fp32, each draft's predicted accept
+    probability, from a DSpark draft's confidence head (empty for drafts without one). All on the
+    draft's device."""
 
     plan: StepPlan
     drafts: dict[int, torch.Tensor]
+    confidence: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 class DraftRuntime:
-    """One DP rank's draft: per-request context caches, the draft model, and the step's coordinator.
+    """One DP rank's draft: the requests' context in a KV pool, the draft model, and the step's coordinator.
 
     Args:
         draft: the loaded draft, its MoE layers holding this rank's experts and talking through
@@ -111,7 +115,7 @@ class DraftRuntime:
         self.graphs: StepGraphs | None = None
         if self.kernels.graphs:
             self.graphs = StepGraphs(
-                lambda slots, anchors, plan: draft.propose_pooled(self.pool, slots, anchors, heads, plan),
+                lambda slots, anchors, plan: draft.step(self.pool, slots, anchors, heads, plan),
                 pad_slot=self.pool.pad_slot, buckets=default_buckets(max_requests), block_size=draft.block_size,
                 device=draft.device,
             )  # fmt: skip
@@ -217,7 +221,7 @@ class DraftRuntime:
         self.pool.admit(request_id)
         try:
             with self._phase("draft_context"):
-                self.draft.extend_pool(self.pool, [request_id], [prompt_features])
+                self.draft.extend(self.pool, [request_id], [prompt_features])
         except RequestError:
             self.pool.release(request_id)
             raise
@@ -252,14 +256,12 @@ class DraftRuntime:
             slots = [self.pool.slot(r) for r in ids]
             with self._phase("draft_propose"):
                 if self.graphs is not None:
-                    drafts_NB, self._finite_L = self.graphs.run(slots, [anchors[r] for r in ids], plan)
+                    out = self.graphs.run(slots, [anchors[r] for r in ids], plan)
                 else:
                     device = self.draft.device
                     slots_N = torch.tensor(slots, dtype=torch.long, device=device)
                     anchors_N = torch.tensor([anchors[r] for r in ids], dtype=torch.long, device=device)
-                    drafts_NB, self._finite_L = self.draft.propose_pooled(
-                        self.pool, slots_N, anchors_N, self.heads, plan
-                    )
+                    out = self.draft.step(self.pool, slots_N, anchors_N, self.heads, plan)
         except EpdraftError:
             raise
         except RuntimeError as e:
@@ -267,8 +269,9 @@ class DraftRuntime:
             if lost is None:
                 raise
             raise self._failed(lost) from e
-        self._step = step
-        return Proposal(plan, {r: drafts_NB[i] for i, r in enumerate(ids)})
+        self._step, self._finite_L = step, out.finite_L
+        confidence = {} if out.confidence_NK is None else {r: out.confidence_NK[i] for i, r in enumerate(ids)}
+        return Proposal(plan, {r: out.drafts_NK[i] for i, r in enumerate(ids)}, confidence)
 
     def _failed(self, error: EpdraftError) -> EpdraftError:
         """Tell the peers why this rank fails (they name it rather than calling it gone); return `error`."""
@@ -289,7 +292,7 @@ class DraftRuntime:
             except NonFiniteError as e:
                 raise self._failed(NonFiniteError(f"rank {self.coordinator.rank} at step {self._step}: {e}")) from None
         with self._phase("draft_context"):
-            self.draft.extend_pool(
+            self.draft.extend(
                 self.pool,
                 list(result.request_ids),
                 [result.features[result.rows(i)] for i in range(len(result.request_ids))],

@@ -19,6 +19,7 @@ import torch
 
 from epdraft.dispatch import StepPlan
 from epdraft.errors import RequestError
+from epdraft.models.step import DraftStep
 
 log = logging.getLogger(__name__)
 
@@ -44,21 +45,20 @@ class _Captured:
     anchors_host: torch.Tensor
     slots: torch.Tensor
     anchors: torch.Tensor
-    drafts: torch.Tensor
-    finite: torch.Tensor
+    output: DraftStep
     copied: torch.cuda.Event = dataclasses.field(default_factory=torch.cuda.Event)
 
 
 class StepGraphs:
-    """Captures and replays `step(slots_N, anchors_N, plan) -> (drafts [N, k], finite [layers])` per bucket.
+    """Captures and replays `step(slots_N, anchors_N, plan) -> DraftStep` per bucket.
 
-    step: the draft step over static inputs (e.g. `draft.propose_pooled` bound to its pool and heads).
+    step: the draft step over static inputs (`draft.step` bound to its pool and heads).
     pad_slot: the slot padding rows read. buckets: ascending request counts.
     """
 
     def __init__(
         self,
-        step: Callable[[torch.Tensor, torch.Tensor, StepPlan], tuple[torch.Tensor, torch.Tensor]],
+        step: Callable[[torch.Tensor, torch.Tensor, StepPlan], DraftStep],
         *,
         pad_slot: int,
         buckets: tuple[int, ...],
@@ -77,9 +77,9 @@ class StepGraphs:
         """The bucket every rank agrees on for this step: from the largest row count in the plan."""
         return bucket_for(self.buckets, -(-plan.max_count // self.block_size))
 
-    def run(self, slots: list[int], anchors: list[int], plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """(drafts [len(slots), k] int64, the layers' finite flags) on the device, from the bucket's
-        graph (captured on first use)."""
+    def run(self, slots: list[int], anchors: list[int], plan: StepPlan) -> DraftStep:
+        """The step's output for these len(slots) requests, on the device, from the bucket's graph
+        (captured on first use); views of the graph's static outputs, overwritten by the next replay."""
         b = self.bucket(plan)
         captured = self._captured.get(b)
         if captured is None:
@@ -94,7 +94,7 @@ class StepGraphs:
         captured.anchors.copy_(captured.anchors_host, non_blocking=True)
         captured.copied.record()
         captured.graph.replay()
-        return captured.drafts[:n], captured.finite
+        return captured.output.first(n)
 
     def _capture(self, b: int, plan: StepPlan, slots: list[int], anchors: list[int]) -> _Captured:
         bucket_plan = StepPlan(step=plan.step, ranks=plan.ranks, counts=(b * self.block_size,) * len(plan.ranks))
@@ -112,9 +112,9 @@ class StepGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            drafts, finite = self.step(slots_d, anchors_d, bucket_plan)
+            output = self.step(slots_d, anchors_d, bucket_plan)
         log.info("captured the draft step for %d requests (bucket %d)", len(slots), b)
-        captured = _Captured(graph, slots_host, anchors_host, slots_d, anchors_d, drafts, finite)
+        captured = _Captured(graph, slots_host, anchors_host, slots_d, anchors_d, output)
         captured.copied.record()  # the copies above read the pinned buffers that `run` refills next
         self._captured[b] = captured
         return captured

@@ -60,7 +60,7 @@ def run_disaggregated(
     pc: ParallelConfig, groups: Groups | None, job: RunJob, setup: RankSetup, watchdog: Watchdog
 ) -> tuple[RankReport, HFTarget | None, Callable[[list[RankReport]], list[RankReport]]]:
     """Serve this rank's side; returns its report, its target (None on a draft rank) and how rank 0
-    merges the reports (the target ranks', with the draft ranks' phases and layout folded in).
+    merges the reports (the target ranks', with the draft ranks' phases, layout and kernels folded in).
 
     `groups` is None exactly on target ranks. Raises ParallelError naming the peer rank that
     stopped answering, StepMismatch on a step-id mismatch.
@@ -144,7 +144,8 @@ def _serve_draft(
     finally:
         runtime.close()
     return RankReport(
-        rank=rank, steps=steps, loop_seconds=0.0, phases=timers.as_dict(), requests=[], layout=runtime.layout.label
+        rank=rank, steps=steps, loop_seconds=0.0, phases=timers.as_dict(), requests=[], layout=runtime.layout.label,
+        kernels=runtime.kernels.label,
     )
 
 
@@ -153,11 +154,12 @@ def _target_reports(pc: ParallelConfig, reports: list[RankReport]) -> list[RankR
     drafts = [r for r in reports if r.rank in pc.draft_ranks]
     mean = {k: sum(r.phases.get(k, 0.0) for r in drafts) / max(len(drafts), 1) for k in _DRAFT_PHASES}
     layout = next((r.layout for r in drafts if r.layout), "")
+    kernels = next((r.kernels for r in drafts if r.kernels), "")
     out = []
     for r in reports:
         if r.rank in pc.target_ranks:
             r.phases = {**r.phases, **mean}
-            r.layout = layout
+            r.layout, r.kernels = layout, kernels
             out.append(r)
     return out
 

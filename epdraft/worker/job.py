@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from epdraft.config.parallel import ParallelConfig
+from epdraft.layers.step_kernels import default_dtype
 from epdraft.models.checkpoint import read_draft_spec
 from epdraft.models.spec import DraftModelSpec, check_against_target
 from epdraft.parallel.groups import Groups, resolve_backend
@@ -73,12 +74,11 @@ def rank_setup(pc: ParallelConfig, job: RunJob) -> RankSetup:
     """Read the draft's spec (its config.json, once) and the prompts; resolve device and dtypes."""
     device_type, _ = resolve_backend(pc)
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    dtype_name = job.dtype or ("bfloat16" if device_type == "cuda" else "float32")
     return RankSetup(
         spec=read_draft_spec(job.draft),
         prompts=read_prompts(job.prompts, job.max_prompts, tokenizer_dir=job.target),
         device=device,
-        dtype=getattr(torch, dtype_name),
+        dtype=getattr(torch, job.dtype) if job.dtype else default_dtype(device),
         target_dtype=getattr(torch, job.target_dtype),
     )
 
@@ -135,7 +135,7 @@ def run_job(
             display=display,
             total_tokens=len(prompts) * job.max_new_tokens,
         )
-        report.layout = runtime.layout.label
+        report.layout, report.kernels = runtime.layout.label, runtime.kernels.label
     finally:
         runtime.close()
     root = dist.get_process_group_ranks(groups.cpu)[0]

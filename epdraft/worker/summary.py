@@ -34,7 +34,8 @@ class RankReport(msgspec.Struct, kw_only=True):
     """What one rank sends to rank 0 after the run.
 
     layout: the MoeLayout label of the draft this rank ran or was served by ("" on a rank that
-    knows none: a disaggregated target rank, until the draft ranks' label is folded in).
+    knows none: a disaggregated target rank, until the draft ranks' label is folded in);
+    kernels: the StepKernels label of that draft, the same way.
     """
 
     rank: int
@@ -43,6 +44,7 @@ class RankReport(msgspec.Struct, kw_only=True):
     phases: dict[str, float]
     requests: list[RequestOutcome]
     layout: str = ""
+    kernels: str = ""
 
 
 class Generation(msgspec.Struct, kw_only=True):
@@ -65,6 +67,7 @@ class RunSummary(msgspec.Struct, kw_only=True):
     config: str
     parallel_config: dict
     layout: str
+    kernels: str
     ranks: int
     requests: int
     failed_requests: dict[int, str]
@@ -103,7 +106,8 @@ def derive_phases(raw: dict[str, float]) -> dict[str, float]:
 def summarize(reports: list[RankReport], *, config: str, parallel_config: dict | None = None) -> RunSummary:
     """Combine every rank's report; phases are averaged over ranks, throughput uses the slowest rank.
 
-    The layout is the one the ranks report (each rank's resolved MoeLayout). `parallel_config`
+    The layout and kernels are the ones the ranks report (each rank's resolved MoeLayout and
+    StepKernels; every rank of a run resolves the same). `parallel_config`
     (the resolved ParallelConfig as a dict) is saved with the numbers it produced.
     """
     outcomes = sorted((o for r in reports for o in r.requests), key=lambda o: o.request_id)
@@ -131,6 +135,7 @@ def summarize(reports: list[RankReport], *, config: str, parallel_config: dict |
         config=config,
         parallel_config=parallel_config or {},
         layout=next((r.layout for r in reports if r.layout), "none"),
+        kernels=next((r.kernels for r in reports if r.kernels), "none"),
         ranks=len(reports),
         requests=len(outcomes),
         failed_requests={o.request_id: o.error for o in outcomes if o.error is not None},
@@ -169,6 +174,7 @@ def format_summary(s: RunSummary) -> str:
     """The human-readable summary."""
     lines = [
         f"epdraft run: {s.config} ({s.ranks} ranks, moe_layout {s.layout})",
+        f"draft step: {s.kernels}",
         f"requests: {s.requests} ({len(s.failed_requests)} refused), per rank "
         + ", ".join(f"{r}: {n}" for r, n in sorted(s.requests_per_rank.items())),
     ]

@@ -12,7 +12,7 @@ from epdraft.runtime.graphs import StepGraphs
 @torch.no_grad()
 def graph_vs_eager(draft, heads, *, requests: int, bucket: int, buckets: tuple[int, ...], steps: int,
                    first_rows: list[int], seed: int) -> tuple[int, bool]:  # fmt: skip
-    """(steps whose replayed drafts or finite flags differ from eager, whether every step stayed
+    """(steps whose replayed drafts, finite flags or confidence differ from eager, whether every step stayed
     finite) over `steps` steps of `requests` requests padded to `bucket`; each replay runs under
     `torch.cuda.set_sync_debug_mode("error")` (a host sync inside it raises).
 
@@ -27,9 +27,9 @@ def graph_vs_eager(draft, heads, *, requests: int, bucket: int, buckets: tuple[i
     for rid in rids:
         pool.admit(rid)
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    draft.extend_pool(pool, rids, [torch.randn(r, width, generator=gen, device="cuda").bfloat16() for r in first_rows])
+    draft.extend(pool, rids, [torch.randn(r, width, generator=gen, device="cuda").bfloat16() for r in first_rows])
     graphs = StepGraphs(
-        lambda s, a, plan: draft.propose_pooled(pool, s, a, heads, plan), pad_slot=pool.pad_slot,
+        lambda s, a, plan: draft.step(pool, s, a, heads, plan), pad_slot=pool.pad_slot,
         buckets=buckets, block_size=B, device=torch.device("cuda"),
     )  # fmt: skip
     slots = [pool.slot(r) for r in rids]
@@ -38,16 +38,20 @@ def graph_vs_eager(draft, heads, *, requests: int, bucket: int, buckets: tuple[i
     mismatches, all_finite = 0, True
     for step in range(steps):
         plan = StepPlan(step=step, ranks=(0,), counts=(n * B,))
-        eager, finite = draft.propose_pooled(pool, slots_N, torch.cat([anchors, anchors.new_zeros(bucket - n)]), heads, plan)
+        out = draft.step(pool, slots_N, torch.cat([anchors, anchors.new_zeros(bucket - n)]), heads, plan)
+        eager, finite = out.drafts_NK, out.finite_L
         anchor_list = anchors.tolist()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            replayed, replayed_finite = graphs.run(slots, anchor_list, plan)
+            replay = graphs.run(slots, anchor_list, plan)
+            replayed, replayed_finite = replay.drafts_NK, replay.finite_L
         finally:
             torch.cuda.set_sync_debug_mode("default")
         mismatches += int(not torch.equal(replayed, eager[:n])) + int(not torch.equal(replayed_finite, finite))
+        if out.confidence_NK is not None:  # a DSpark confidence head: the graph holds its scores too
+            mismatches += int(not torch.equal(replay.confidence_NK, out.confidence_NK[:n]))
         all_finite &= bool(finite.all())
         commit = [1 + (step + i) % B for i in rids]
-        draft.extend_pool(pool, rids, [torch.randn(c, width, generator=gen, device="cuda").bfloat16() for c in commit])
+        draft.extend(pool, rids, [torch.randn(c, width, generator=gen, device="cuda").bfloat16() for c in commit])
         anchors = eager[:n, 0]
     return mismatches, all_finite

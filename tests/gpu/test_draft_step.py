@@ -10,6 +10,7 @@ import torch
 from epdraft.bench.step import RandomHeads, preset_config
 from epdraft.kernels.step.attention import block_attention, block_attention_reference
 from epdraft.models import DFlashDraft, DraftModelSpec
+from epdraft.models.reference import extend_caches, new_cache, reference_hidden
 
 from tests.gpu.graph_replay import graph_vs_eager
 
@@ -59,15 +60,15 @@ def test_pooled_step_equals_cache_step_in_bf16():
     width = spec.num_target_features * spec.hidden_size
     gen = torch.Generator(device="cuda").manual_seed(2)
     features = [torch.randn(L, width, generator=gen, device="cuda").bfloat16() for L in (40, 1, 300)]
-    caches = [draft.new_cache() for _ in features]
-    draft.extend_contexts(caches, features)
+    caches = [new_cache(draft) for _ in features]
+    extend_caches(draft, caches, features)
     pool = draft.new_pool(max_requests=4, max_context=400)
     for rid in range(3):
         pool.admit(rid)
-    draft.extend_pool(pool, [0, 1, 2], features)
+    draft.extend(pool, [0, 1, 2], features)
     anchors = torch.tensor([5, 6, 7], device="cuda")
     slots = torch.tensor([pool.slot(r) for r in range(3)], device="cuda")
-    ref = draft.block_hidden(caches, anchors, heads).float()
+    ref = reference_hidden(draft, caches, anchors, heads)[0].float()
     # The pooled hidden: the same layers, attention from the pool (the Triton kernel).
     B = spec.block_size
     ids = torch.full((3, B), spec.mask_token_id, device="cuda")

@@ -278,7 +278,8 @@ def test_cuda_graph_router_and_experts_equal_eager():
 def test_cuda_graph_draft_moe_equals_eager(monkeypatch):
     """A whole DraftMoE forward (router, replicated dispatch, fused experts, shared expert) under graph replay.
 
-    `run_experts` is wrapped only to prove the forward reached the fused kernels.
+    `fused_experts` is wrapped (before the layer is built: it picks its function then) only to prove the
+    forward reached the fused kernels.
     """
     from epdraft.config.ffn import DraftMoeFFNSpec
     from epdraft.layers import routed_experts

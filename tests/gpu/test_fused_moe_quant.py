@@ -248,7 +248,7 @@ def test_fp8_experts_holding_a_nan_are_refused_naming_the_module():
     from epdraft.loading import ExpertShard
 
     shard = ExpertShard(num_experts=2, intermediate_size=128, hidden_size=128)
-    experts = RoutedExperts(shard, ActivationSpec(), device="cuda",
+    experts = RoutedExperts(shard, ActivationSpec(), dtype=torch.bfloat16, device="cuda",
                             quantization=QuantSpec(method="fp8", block=(128, 128)))
     experts.w13.data.view(torch.uint8).fill_(0x38)  # 1.0
     experts.w2.data.view(torch.uint8).fill_(0x38)

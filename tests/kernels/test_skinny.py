@@ -78,3 +78,20 @@ def test_pdl_is_off_on_the_cpu_and_inside_pdl_off():
     with launch.pdl_off():
         assert not launch.pdl(torch.device("cuda", 0))  # decided before any CUDA query
     assert launch._enabled
+
+
+def test_the_step_kernels_refuse_a_call_that_needs_gradients():
+    """Their launches have no backward: asked for gradients they stop, naming the way to train."""
+    from epdraft.errors import ConfigError
+    from epdraft.kernels.step import ops
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ConfigError, match=r"rms_norm: the Triton step kernels have no backward.*StepKernels\.reference"):
+        ops.rms_norm(x, torch.ones(8), 1e-6)
+    with pytest.raises(ConfigError, match=r"skinny projection: .*no backward"):
+        skinny.linear(x, [torch.randn(4, 8)])
+    from epdraft.kernels import launch
+
+    with torch.no_grad():
+        launch.refuse_autograd("rms_norm", x)  # inference on a leaf that wants gradients: nothing to drop
+    launch.refuse_autograd("rms_norm", x.detach(), None)

@@ -8,6 +8,7 @@ import torch
 from epdraft.errors import ConfigError, LoadError, NonFiniteError
 from epdraft.models import DFlashDraft, DraftModelSpec, check_against_target, load_draft, speculative_generate
 from epdraft.models.attention import DFlashAttention
+from epdraft.models.reference import extend_caches, new_cache, reference_hidden, reference_step
 from tests.models.helpers import H, VOCAB, draft_config, hf_greedy, randomize, tiny_target, write_export
 
 pytest.importorskip("transformers")
@@ -87,11 +88,11 @@ def test_cached_batched_propose_equals_uncached_forward(moe):
     anchors = torch.tensor([4, 11, 30])
     caches = []
     for f in feats:  # context arrives in two pieces (prefill, then one verify's committed rows)
-        c = draft.new_cache()
-        draft.extend_context(c, f[:2])
-        draft.extend_context(c, f[2:])
+        c = new_cache(draft)
+        extend_caches(draft, [c], [f[:2]])
+        extend_caches(draft, [c], [f[2:]])
         caches.append(c)
-    got = draft.block_hidden(caches, anchors, heads)
+    got = reference_hidden(draft, caches, anchors, heads)[0]
     for i, f in enumerate(feats):
         ids = torch.tensor([int(anchors[i])] + [draft.spec.mask_token_id] * (B - 1))
         L = f.shape[0]
@@ -99,7 +100,7 @@ def test_cached_batched_propose_equals_uncached_forward(moe):
             want = draft(heads.embed(ids).unsqueeze(0), torch.arange(L, L + B).unsqueeze(0),
                          draft.fuse_features(f).unsqueeze(0), torch.arange(L).unsqueeze(0))
         torch.testing.assert_close(got[i], want[0], rtol=1e-4, atol=1e-5)
-    drafts = draft.propose(caches, anchors, heads)
+    drafts = reference_step(draft, caches, anchors, heads).drafts_NK
     assert drafts.shape == (3, B - 1) and drafts.dtype == torch.long
     torch.testing.assert_close(drafts, heads.lm_head(got[:, 1:]).argmax(-1))
 
@@ -108,7 +109,7 @@ def test_zero_row_propose_runs_every_ffn_once():
     draft, calls = make_draft(), []
     for layer in draft.layers:
         layer.mlp.register_forward_hook(lambda m, args, out: calls.append((tuple(args[0].shape), tuple(out.shape))))
-    drafts = draft.propose([], torch.zeros(0, dtype=torch.long), Heads())
+    drafts = reference_step(draft, [], torch.zeros(0, dtype=torch.long), Heads()).drafts_NK
     assert drafts.shape == (0, 3)
     assert calls == [((0, H), (0, H))] * 2
 
@@ -116,14 +117,14 @@ def test_zero_row_propose_runs_every_ffn_once():
 @pytest.mark.parametrize("moe", [True, False])
 def test_propose_names_the_first_layer_whose_hidden_states_go_non_finite(moe):
     draft, heads = make_draft(moe=moe), Heads()
-    cache = draft.new_cache()
-    draft.extend_context(cache, torch.randn(5, 2 * H, generator=torch.Generator().manual_seed(1)))
+    cache = new_cache(draft)
+    extend_caches(draft, [cache], [torch.randn(5, 2 * H, generator=torch.Generator().manual_seed(1))])
     anchors = torch.tensor([4])
-    assert draft.propose([cache], anchors, heads).shape == (1, 3)  # finite weights: no error
+    assert reference_step(draft, [cache], anchors, heads).drafts_NK.shape == (1, 3)  # finite weights: no error
     with torch.no_grad():
         draft.layers[1].post_attention_layernorm.weight.fill_(float("inf"))  # layer 0 stays finite
     with pytest.raises(NonFiniteError, match=r"draft layer 1's hidden states went NaN or inf"):
-        draft.propose([cache], anchors, heads)
+        reference_step(draft, [cache], anchors, heads).drafts_NK
 
 
 def test_load_specforge_export_roundtrip(tmp_path):
@@ -167,19 +168,19 @@ def test_speculative_generate_is_lossless_with_a_random_draft():
     assert all(0 <= a <= draft.block_size - 1 for a in out.accept_lens)
 
 
-def test_batched_extend_contexts_equals_one_request_at_a_time():
+def test_batched_extend_caches_equals_one_request_at_a_time():
     """Many requests' new rows in one fc / K/V projection land in each cache as if appended alone."""
     draft = make_draft(seed=3)
     K = draft.spec.num_target_features
     gen = torch.Generator().manual_seed(7)
     steps = [[5, 0, 3], [2, 4, 1]]  # rows per request per step, a request with none included
-    alone = [draft.new_cache() for _ in range(3)]
-    batched = [draft.new_cache() for _ in range(3)]
+    alone = [new_cache(draft) for _ in range(3)]
+    batched = [new_cache(draft) for _ in range(3)]
     for lens in steps:
         feats = [torch.randn(n, K * H, generator=gen) for n in lens]
         for cache, f in zip(alone, feats):
-            draft.extend_context(cache, f)
-        draft.extend_contexts(batched, feats)
+            extend_caches(draft, [cache], [f])
+        extend_caches(draft, batched, feats)
     for a, b in zip(alone, batched):
         assert a.length == b.length
         for layer in range(draft.spec.num_layers):
@@ -198,10 +199,10 @@ def test_hash_routed_draft_routes_by_the_block_token_ids(tmp_path):
     feats = [torch.randn(n, 2 * H, generator=gen) for n in (3, 6)]
     caches = []
     for f in feats:
-        caches.append(draft.new_cache())
-        draft.extend_context(caches[-1], f)
+        caches.append(new_cache(draft))
+        extend_caches(draft, [caches[-1]], [f])
     anchors = torch.tensor([4, 19])
-    got = draft.block_hidden(caches, anchors, heads)
+    got = reference_hidden(draft, caches, anchors, heads)[0]
     B = draft.block_size
     for i, f in enumerate(feats):
         ids = torch.tensor([int(anchors[i])] + [draft.spec.mask_token_id] * (B - 1))
@@ -214,7 +215,7 @@ def test_hash_routed_draft_routes_by_the_block_token_ids(tmp_path):
         draft(torch.zeros(1, B, H), torch.arange(B).unsqueeze(0), torch.zeros(1, 2, H), torch.arange(2).unsqueeze(0))
     loaded = load_draft(write_export(draft, cfg, tmp_path / "hash"))
     assert torch.equal(loaded.layers[0].mlp.router.tid2eid, draft.layers[0].mlp.router.tid2eid)
-    torch.testing.assert_close(loaded.block_hidden(caches, anchors, heads), got, rtol=0, atol=0)
+    torch.testing.assert_close(reference_hidden(loaded, caches, anchors, heads)[0], got, rtol=0, atol=0)
     target = tiny_target(2)
     prompt, n = [3, 9, 27, 1, 40, 12], 16
     out = speculative_generate(target, draft, prompt, n)

@@ -9,6 +9,7 @@ import torch
 from epdraft.errors import ConfigError, LoadError
 from epdraft.models import DraftModelSpec, DSparkDraft, load_draft, speculative_generate
 from epdraft.models.dspark import gated_latent, rnn_step
+from epdraft.models.reference import extend_caches, new_cache, reference_hidden, reference_step
 from tests.models.helpers import H, VOCAB, draft_config, hf_greedy, randomize, tiny_target, write_export
 from tests.models.test_dflash import Heads
 
@@ -22,14 +23,28 @@ def make_dspark(seed=0, *, markov="vanilla", block_size=5, **kw) -> DSparkDraft:
     return draft.eval()
 
 
-def caches_of(draft, lens=(4, 7), seed=2):
+def contexts(lens=(4, 7), seed=2) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, 2 * H, generator=gen) for n in lens]
+
+
+def caches_of(draft, lens=(4, 7), seed=2):
     caches = []
-    for n in lens:
-        c = draft.new_cache()
-        draft.extend_context(c, torch.randn(n, 2 * H, generator=gen))
+    for features in contexts(lens, seed):
+        c = new_cache(draft)
+        extend_caches(draft, [c], [features])
         caches.append(c)
     return caches
+
+
+def pooled_step(draft, anchors, heads, lens=(4, 7), seed=2):
+    """`draft.step` for requests holding `caches_of`'s contexts in a KV pool."""
+    pool = draft.new_pool(max_requests=max(1, len(lens)), max_context=32)
+    for rid in range(len(lens)):
+        pool.admit(rid)
+    draft.extend(pool, list(range(len(lens))), contexts(lens, seed))
+    slots = torch.tensor([pool.slot(r) for r in range(len(lens))], dtype=torch.long)
+    return draft.step(pool, slots, anchors, heads, None)
 
 
 def reference_decode(draft, base_kV, hidden_kH, anchor: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -68,11 +83,11 @@ def test_markov_readout_matches_formula(markov, mask_filling):
     """
     draft, heads = make_dspark(1, markov=markov, mask_filling=mask_filling), Heads()
     caches, anchors = caches_of(draft), torch.tensor([7, 33])
-    drafts = draft.propose(caches, anchors, heads)
+    drafts = reference_step(draft, caches, anchors, heads).drafts_NK
     B = draft.block_size
     assert drafts.shape == (2, B - 1 if mask_filling else B) == (2, draft.num_drafts)
     with torch.no_grad():
-        hidden = draft.block_hidden(caches, anchors, heads)
+        hidden = reference_hidden(draft, caches, anchors, heads)[0]
     rows = hidden[:, 1:] if mask_filling else hidden
     base = heads.lm_head(rows)
     for i in range(2):
@@ -110,10 +125,12 @@ def test_confidence_head_scores_each_draft(with_markov, mask_filling):
     """confidence_k = sigmoid(w . [h_k (, W1[prev_k])] + b): h_k the row that drafted token k, prev_k the token before it."""
     draft = make_dspark(3, markov="rnn", confidence_with_markov=with_markov, mask_filling=mask_filling)
     heads, caches, anchors = Heads(), caches_of(draft, (3, 6)), torch.tensor([2, 41])
-    drafts, conf = draft.propose_scored(caches, anchors, heads)
-    assert torch.equal(drafts, draft.propose(caches, anchors, heads))
+    reference = reference_step(draft, caches, anchors, heads)
+    drafts, conf = reference.drafts_NK, reference.confidence_NK
+    step = pooled_step(draft, anchors, heads, (3, 6))  # the runtime's step carries the same scores
+    assert torch.equal(step.drafts_NK, drafts) and torch.allclose(step.confidence_NK, conf, rtol=0, atol=1e-6)
     with torch.no_grad():
-        hidden = draft.block_hidden(caches, anchors, heads)
+        hidden = reference_hidden(draft, caches, anchors, heads)[0]
     rows = hidden[:, 1:] if mask_filling else hidden
     w, b = draft.confidence_head.proj.weight.detach().double()[0], float(draft.confidence_head.proj.bias.detach())
     assert w.shape == (H + R if with_markov else H,)
@@ -128,8 +145,10 @@ def test_confidence_head_scores_each_draft(with_markov, mask_filling):
 def test_zero_row_dspark_propose():
     for mask_filling in (True, False):
         draft = make_dspark(markov="gated", mask_filling=mask_filling)
-        drafts, conf = draft.propose_scored([], torch.zeros(0, dtype=torch.long), Heads())
-        assert drafts.shape == conf.shape == (0, draft.num_drafts)
+        step = pooled_step(draft, torch.zeros(0, dtype=torch.long), Heads(), lens=())
+        assert step.drafts_NK.shape == step.confidence_NK.shape == (0, draft.num_drafts)
+        reference = reference_step(draft, [], torch.zeros(0, dtype=torch.long), Heads())
+        assert reference.drafts_NK.shape == reference.confidence_NK.shape == (0, draft.num_drafts)
 
 
 @pytest.mark.parametrize("markov", HEADS)

@@ -11,6 +11,7 @@ import torch
 from epdraft.errors import RequestError
 from epdraft.models import load_draft, read_draft_spec
 from epdraft.models.kv_pool import KVPool
+from epdraft.models.reference import extend_caches, new_cache, reference_step
 
 ASSETS = Path(__file__).resolve().parents[2] / "epdraft" / "assets"
 
@@ -52,21 +53,21 @@ def test_pooled_step_equals_the_cache_reference():
     width = spec.num_target_features * spec.hidden_size
     features = [torch.randn(n, width, generator=gen) for n in (5, 17, 1)]
     more = [torch.randn(n, width, generator=gen) for n in (3, 1, 6)]
-    caches = [draft.new_cache() for _ in features]
+    caches = [new_cache(draft) for _ in features]
     pool = draft.new_pool(max_requests=5, max_context=40)
     rids = [30, 10, 20]
     for rid in rids:
         pool.admit(rid)
     for batch in (features, more):  # two extensions: the second appends after the first's rows
-        draft.extend_contexts(caches, batch)
-        draft.extend_pool(pool, rids, batch)
+        extend_caches(draft, caches, batch)
+        draft.extend(pool, rids, batch)
     anchors = torch.tensor([3, 7, 11])
     slots = torch.tensor([pool.slot(r) for r in rids])
-    assert torch.equal(draft.propose_pooled(pool, slots, anchors, target, None)[0], draft.propose(caches, anchors, target))
+    assert torch.equal(draft.step(pool, slots, anchors, target, None).drafts_NK, reference_step(draft, caches, anchors, target).drafts_NK)
     # The slot order does not matter, and a request alone sees only its own context.
     order = [2, 0, 1]
-    alone = draft.propose_pooled(pool, slots[order], anchors[order], target, None)[0]
-    assert torch.equal(alone, draft.propose([caches[i] for i in order], anchors[order], target))
+    alone = draft.step(pool, slots[order], anchors[order], target, None).drafts_NK
+    assert torch.equal(alone, reference_step(draft, [caches[i] for i in order], anchors[order], target).drafts_NK)
     assert pool.length(10) == 18 and pool.length(20) == 7
 
 
@@ -92,16 +93,16 @@ def test_pooled_step_equals_the_cache_reference_for_every_variant(variant, tmp_p
     draft = load_draft(tmp_path / "draft", spec=spec)
     gen = torch.Generator().manual_seed(3)
     width = spec.num_target_features * spec.hidden_size
-    caches = [draft.new_cache() for _ in range(3)]
+    caches = [new_cache(draft) for _ in range(3)]
     pool = draft.new_pool(max_requests=3, max_context=64)
     for rid in range(3):
         pool.admit(rid)
     for lens in ((1, 12, 4), (2, 1, 9)):  # contexts shorter and longer than the window and the block
         batch = [torch.randn(n, width, generator=gen) for n in lens]
-        draft.extend_contexts(caches, batch)
-        draft.extend_pool(pool, [0, 1, 2], batch)
+        extend_caches(draft, caches, batch)
+        draft.extend(pool, [0, 1, 2], batch)
         anchors = torch.randint(0, spec.vocab_size - 1, (3,), generator=gen)
         slots = torch.tensor([pool.slot(r) for r in range(3)])
-        expected = draft.propose(caches, anchors, target)
+        expected = reference_step(draft, caches, anchors, target).drafts_NK
         assert expected.shape == (3, spec.num_drafts)
-        assert torch.equal(draft.propose_pooled(pool, slots, anchors, target, None)[0], expected)
+        assert torch.equal(draft.step(pool, slots, anchors, target, None).drafts_NK, expected)

@@ -7,6 +7,7 @@ import torch
 from epdraft.errors import ConfigError
 from epdraft.models import DFlashDraft, DraftModelSpec, speculative_generate
 from epdraft.models.cache import MIN_CAPACITY, context_mask
+from epdraft.models.reference import extend_caches, new_cache, reference_hidden
 from tests.models.helpers import H, draft_config, hf_greedy, randomize, tiny_target
 from tests.models.test_dflash import Heads, naive_attention
 
@@ -43,9 +44,9 @@ def fill(draft, lens, seed=3, chunks=(7, 1, 3, 2, 5)):
     feats = [torch.randn(n, 2 * H, generator=gen) for n in lens]
     caches = []
     for f in feats:
-        c, start, i = draft.new_cache(), 0, 0
+        c, start, i = new_cache(draft), 0, 0
         while start < f.shape[0]:
-            draft.extend_context(c, f[start:start + chunks[i % len(chunks)]])
+            extend_caches(draft, [c], [f[start:start + chunks[i % len(chunks)]]])
             start, i = start + chunks[i % len(chunks)], i + 1
         caches.append(c)
     return caches, feats
@@ -58,7 +59,7 @@ def test_cached_batched_propose_equals_specforge_masked_forward(window, moe):
     lens = (7, 2, 150, 0)  # 150 rows: the sliding buffers compact several times (capacity 2(W-1) or MIN_CAPACITY)
     caches, feats = fill(draft, lens)
     anchors = torch.tensor([4, 11, 30, 8])
-    got = draft.block_hidden(caches, anchors, heads)
+    got = reference_hidden(draft, caches, anchors, heads)[0]
     for i, f in enumerate(feats):
         L = f.shape[0]
         ids = torch.tensor([int(anchors[i])] + [draft.spec.mask_token_id] * (B - 1))
@@ -72,7 +73,7 @@ def test_cached_batched_propose_equals_specforge_masked_forward(window, moe):
     full = make(window, moe=moe, types=["full_attention"] * 3)
     full.load_state_dict(draft.state_dict())
     full_caches, _ = fill(full, lens)
-    assert not torch.allclose(full.block_hidden(full_caches, anchors, heads)[2], got[2], atol=1e-3)
+    assert not torch.allclose(reference_hidden(full, full_caches, anchors, heads)[0][2], got[2], atol=1e-3)
 
 
 def test_sliding_layers_keep_only_their_window():
@@ -90,9 +91,9 @@ def test_sliding_layers_keep_only_their_window():
     torch.testing.assert_close(ck, k[0, :, -(window - 1):], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(cv, v[0, :, -(window - 1):], rtol=1e-5, atol=1e-6)
     # After every append, not only at the end: each compaction keeps exactly the last W-1 positions.
-    probe, done = draft.new_cache(), 0
+    probe, done = new_cache(draft), 0
     for n in [3, 70, 1, 1, 8, 2, 60] + [1, 2, 5, 7, 3, 4] * 6:  # short chunks: compaction moves old rows forward
-        draft.extend_context(probe, feats[done:done + n])
+        extend_caches(draft, [probe], [feats[done:done + n]])
         done += n
         ck, _ = probe.kv(0)
         torch.testing.assert_close(ck, k[0, :, max(done - (window - 1), 0):done], rtol=1e-5, atol=1e-6)

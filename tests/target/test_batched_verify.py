@@ -160,17 +160,19 @@ def test_batched_speculative_decoding_is_lossless_on_sliding_targets(target):
     randomize(draft, 3)
     prompts, n = {0: [3, 9, 27, 1, 40, 12, 5, 5, 8], 1: [7, 7], 2: list(range(10, 24))}, 18
     pre = tgt.prefill(list(prompts), list(prompts.values()))
-    caches, anchors, out = {}, {}, {}
+    pool = draft.new_pool(max_requests=len(prompts), max_context=64)
+    anchors, out = {}, {}
     for i, rid in enumerate(prompts):
-        caches[rid] = draft.new_cache()
-        draft.extend_context(caches[rid], pre.features[pre.rows(i)])
+        pool.admit(rid)
+        draft.extend(pool, [rid], [pre.features[pre.rows(i)]])
         anchors[rid], out[rid] = int(pre.first_tokens[i]), [int(pre.first_tokens[i])]
     while any(len(t) < n for t in out.values()):
         rids = [r for r in prompts if len(out[r]) < n]
-        drafts = draft.propose([caches[r] for r in rids], torch.tensor([anchors[r] for r in rids]), tgt)
+        slots = torch.tensor([pool.slot(r) for r in rids])
+        drafts = draft.step(pool, slots, torch.tensor([anchors[r] for r in rids]), tgt, None).drafts_NK
         blocks = torch.cat([torch.tensor([[anchors[r]] for r in rids]), drafts], dim=1)
         res = tgt.verify(rids, blocks)
-        draft.extend_contexts([caches[r] for r in rids], [res.features[res.rows(i)] for i in range(len(rids))])
+        draft.extend(pool, rids, [res.features[res.rows(i)] for i in range(len(rids))])
         for i, r in enumerate(rids):
             out[r] += res.emitted(i)
             anchors[r] = int(res.bonus[i])

@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-SMEM_BYTES = 200 * 1024  # H100/H200 allow 227 KB per block; leave room for Triton's own scratch
 
 Pow2 = Annotated[int, msgspec.Meta(ge=16, le=512)]
 

@@ -94,8 +94,8 @@ def num_splits_for(num_requests: int, num_kv_heads: int, capacity: int) -> int:
     return max(1, min(wanted, math.ceil(capacity / _MIN_SPLIT_KEYS)))
 
 
-def unsupported_reason(device_type: str) -> str | None:
-    """Why `block_attention` cannot run on `device_type`, or None (bf16, fp16 and fp32 all run)."""
+def unsupported_reason(device_type: str, dtype: torch.dtype) -> str | None:
+    """Why `block_attention` cannot run on `device_type`, or None (bf16, fp16 and fp32 `dtype` all run)."""
     return launch.unsupported_reason(device_type)
 
 

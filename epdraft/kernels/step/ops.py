@@ -31,9 +31,10 @@ _ROUTER_SLICES = 32
 _ROUTER_MIN_SPLIT = 128  # narrower H slices: more partials for topk_route to read than the split gains
 
 
-def unsupported_reason(device_type: str) -> str | None:
-    """Why these launches cannot run on `device_type`, or None (they take any float dtype). They
-    have no backward: a draft trained with autograd keeps the torch chains."""
+def unsupported_reason(device_type: str, dtype: torch.dtype) -> str | None:
+    """Why these launches cannot run on `device_type`, or None (they take any float `dtype`). They
+    have no backward (`launch.refuse_autograd`): a draft trained with autograd is built with the
+    torch chains, `StepKernels.reference()`."""
     return launch.unsupported_reason(device_type)
 
 
@@ -49,6 +50,7 @@ def rms_norm(
     """(normed, s) with s = x + residual (x itself without one) and normed = `RMSNorm` of s:
     weight * (s * rsqrt(mean(s^2) + eps)) rounded to x's dtype before the scale
     (`epdraft.models.attention.RMSNorm.reference`). One program per row."""
+    launch.refuse_autograd("rms_norm", x, residual)
     from epdraft.kernels.step._step_triton import rms_norm_kernel
 
     shape, H = x.shape, x.shape[-1]
@@ -90,6 +92,7 @@ def qk_norm_rope_store(
     q_TX [N*B, h*D], k_TX / v_TX [N*B, g*D] (the projections' outputs, rows unit-strided);
     cos_CR / sin_CR [C, D/2] fp32: the rotary table of positions 0..C-1 (`rope_cos_sin`'s first half).
     """
+    launch.refuse_autograd("qk_norm_rope_store", q_TX, k_TX, v_TX)
     from epdraft.kernels.step._step_triton import qk_rope_store_kernel
 
     N, B = positions_NB.shape
@@ -169,6 +172,7 @@ def router_logits(x_TH: torch.Tensor, weight_EH: torch.Tensor) -> torch.Tensor:
     Raises:
         ConfigError: x and the weight differ in H.
     """
+    launch.refuse_autograd("router_logits", x_TH)
     from epdraft.kernels.step._step_triton import router_logits_kernel
 
     T, H = x_TH.shape
@@ -244,6 +248,7 @@ def topk_route(
 def gated_act(gate_TI: torch.Tensor, up_TI: torch.Tensor, swiglu: bool, limit: float, alpha: float) -> torch.Tensor:
     """act(gate, up) in fp32 rounded to gate's dtype (`epdraft.layers.activations.gated_act` then
     `.to(dtype)`): swiglu, or swigluoai with `alpha`; `limit` > 0 clamps first."""
+    launch.refuse_autograd("gated_act", gate_TI, up_TI)
     from epdraft.kernels.step._step_triton import gated_act_kernel
 
     g2, u2 = _rows(gate_TI), _rows(up_TI)
@@ -269,6 +274,7 @@ def ffn_residual(
     residual add round: the FFN output and the residual stream in one pass. y or shared is given
     (a gated shared alone is DraftMLP's own output gate); all [T, H], gate_T1 [T, 1] the output
     gate's logits."""
+    launch.refuse_autograd("ffn_residual", residual_TH, y_TH, shared_TH)
     from epdraft.kernels.step._step_triton import ffn_residual_kernel
 
     given = [t for t in (residual_TH, y_TH, shared_TH) if t is not None]

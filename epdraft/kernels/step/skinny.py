@@ -72,13 +72,14 @@ def _takes(x_TK: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
 
 
 def fits(x_TK: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
-    """Whether `linear` / `gate_up_act` beat nn.Linear on these shapes: 1..MAX_ROWS rows (above,
-    cuBLAS wins), weights [N, K] with unit-stride rows. The caller has resolved that the launches
-    run here at all (`unsupported_reason`)."""
+    """Whether `linear` / `gate_up_act` beat nn.Linear on these shapes: x [T, K] with 1..MAX_ROWS
+    rows (above, cuBLAS wins), weights [N, K] of x's dtype, unit-stride rows. The caller has
+    resolved that the launches run here at all (`unsupported_reason`)."""
     return (
-        0 < x_TK.shape[0] <= MAX_ROWS
-        and x_TK.stride(-1) == 1
-        and all(w.stride(1) == 1 and w.shape[1] == x_TK.shape[-1] for w in weights)
+        x_TK.dim() == 2
+        and 0 < x_TK.shape[0] <= MAX_ROWS
+        and x_TK.stride(1) == 1
+        and all(w.dtype == x_TK.dtype and w.stride(1) == 1 and w.shape[1] == x_TK.shape[1] for w in weights)
     )
 
 
@@ -93,7 +94,9 @@ def _device_config(device: torch.device) -> tuple[int, int, int, int]:
 
 
 def _checked(x_TK: torch.Tensor, weights: Sequence[torch.Tensor], config: tuple | None) -> tuple:
-    """The launch config, after ConfigError for inputs the launches cannot take (1-3 weights)."""
+    """The launch config, after ConfigError for inputs the launches cannot take (1-3 weights) or
+    that need gradients (the launches have no backward)."""
+    launch.refuse_autograd("skinny projection", x_TK)
     if not 1 <= len(weights) <= 3 or not _takes(x_TK, weights):
         raise ConfigError(
             f"skinny: x {tuple(x_TK.shape)} {x_TK.dtype} on {x_TK.device} with weights "
