@@ -3,7 +3,7 @@ goes down the list, no two packages import each other, no two files import each 
 chain), and kernels import nothing but errors.
 
     cli, launch, run, check, preflight, bench  ->  worker  ->  runtime  ->  parallel, models, target
-        ->  layers, dispatch, loading, kernels  ->  config  ->  errors
+        ->  layers, dispatch, loading, kernels, sampling  ->  config  ->  errors
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ TIERS: tuple[tuple[str, ...], ...] = (
     ("worker",),
     ("runtime",),
     ("parallel", "models", "target"),
-    ("layers", "dispatch", "loading", "kernels"),
+    ("layers", "dispatch", "loading", "kernels", "sampling"),
     ("config",),
     ("errors",),
 )

@@ -1,4 +1,4 @@
-"""Configuration: draft FFN specs from HF configs and the parallel layout; all validation lives here."""
+"""Configuration: draft FFN specs from HF configs, the parallel layout, a request's sampling; all validation lives here."""
 
 from epdraft.config.ffn import (
     ActivationSpec,
@@ -9,6 +9,7 @@ from epdraft.config.ffn import (
 )
 from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.config.quant import QuantSpec, parse_quantization_config
+from epdraft.config.sampling import SamplingParams, parse_sampling
 from epdraft.config.parallel import (
     ClusterConfig,
     DraftConfig,
@@ -31,10 +32,12 @@ __all__ = [
     "ParallelConfig",
     "PlacementConfig",
     "QuantSpec",
+    "SamplingParams",
     "RouterSpec",
     "TargetConfig",
     "apply_overrides",
     "load_parallel_config",
     "parallel_config_from_dict",
     "parse_quantization_config",
+    "parse_sampling",
 ]
