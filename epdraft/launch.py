@@ -59,7 +59,9 @@ _PEERS_GRACE_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="parallel config (.toml, .yaml or .json)")
+    parser.add_argument(
+        "config", help="parallel config: a .toml, .yaml or .json file, or a shipped config's name (local-cpu-4)"
+    )
     add_node_arguments(parser)
     parser.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
 

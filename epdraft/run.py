@@ -30,7 +30,8 @@ ASSETS = PACKAGE / "assets"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="parallel config (default: local-cpu-2)")
+    parser.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG),
+                        help="parallel config: a file, or a shipped config's name (default: local-cpu-2)")  # fmt: skip
     parser.add_argument("--draft", default=str(ASSETS / "tiny-draft"), help="draft export directory (default: tiny pair)")
     parser.add_argument("--target", default=str(ASSETS / "tiny-target"), help="HF target directory (default: tiny pair)")
     parser.add_argument(

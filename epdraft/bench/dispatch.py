@@ -77,7 +77,8 @@ def _int_list(flag: str):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="parallel config (.toml/.yaml/.json); its ranks run here")
+    parser.add_argument("--config", required=True,
+                        help="parallel config (.toml/.yaml/.json, or a shipped name); its ranks run here")  # fmt: skip
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. cluster.nproc_per_node=4")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

@@ -44,6 +44,9 @@ MAX_TIMEOUT_S = 86400.0
 # loaded host's scheduler alone could miss the bound.
 MIN_HANG_TIMEOUT_S = 2.0
 DEFAULT_HANG_TIMEOUT_S = 20.0
+# The configs installed with the package (`configs/` at the repository root links here), so a
+# name such as `local-cpu-4` works from any directory.
+SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -323,15 +326,39 @@ _MISSING = re.compile(r"Object missing required field `(?P<key>[^`]+)`")
 
 
 def load_parallel_config(path: str | Path, overrides: Iterable[str] = ()) -> ParallelConfig:
-    """Read a ParallelConfig from `.toml`, `.yaml`/`.yml` or `.json`, apply `--set` overrides, validate.
+    """Read a ParallelConfig from `.toml`, `.yaml`/`.yml` or `.json` (or a shipped config by name, see
+    `resolve_config_path`), apply `--set` overrides, validate.
 
     Raises ConfigError naming the file (and the overrides), the key path, the value and the expectation.
     """
-    path = Path(path)
+    path = resolve_config_path(path)
     overrides = list(overrides)
     raw = _read_file(path)
     source = str(path) + (f" (with --set {' '.join(overrides)})" if overrides else "")
     return parallel_config_from_dict(apply_overrides(raw, overrides), source=source)
+
+
+def shipped_config_names() -> tuple[str, ...]:
+    """The names of the configs installed with the package (`epdraft/configs/*.toml`), sorted."""
+    return tuple(sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.toml")))
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """The file a config argument means: `path` itself when it exists, has a suffix or a directory
+    part (relative to the working directory, as the shell reads it), else the shipped
+    `epdraft/configs/<path>.toml`, so `epdraft run local-cpu-4` works outside the repository.
+
+    Raises ConfigError listing the shipped names when a bare name is neither a file nor shipped.
+    """
+    p = Path(path)
+    if p.exists() or p.suffix or len(p.parts) != 1:
+        return p
+    shipped = SHIPPED_CONFIGS / f"{p.name}.toml"
+    if not shipped.is_file():
+        raise ConfigError(
+            f"no config {str(path)!r}: not a file, and the shipped configs are {', '.join(shipped_config_names())}"
+        )
+    return shipped
 
 
 def parallel_config_from_dict(d: dict[str, Any], source: str = "<dict>") -> ParallelConfig:
@@ -371,17 +398,23 @@ def _parse_value(text: str) -> Any:
 
 
 def _read_file(path: Path) -> dict[str, Any]:
-    suffix = path.suffix.lower()
-    if suffix not in (".toml", ".yaml", ".yml", ".json"):
-        raise ConfigError(f"{path}: unknown config format {suffix!r}; expected .toml, .yaml, .yml or .json")
+    # Read before looking at the suffix: a missing file is reported as missing, whatever its name.
     try:
         text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as e:
+        raise ConfigError(
+            f"{path}: cannot read the parallel config: {e.strerror} (relative to the working directory; a shipped "
+            f"config is named without directory or suffix: {', '.join(shipped_config_names())})"
+        ) from e
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the parallel config: {e.strerror}") from e
     except UnicodeDecodeError as e:
         raise ConfigError(
             f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}), expected a UTF-8 config file"
         ) from None
+    suffix = path.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml", ".json"):
+        raise ConfigError(f"{path}: unknown config format {suffix!r}; expected .toml, .yaml, .yml or .json")
     try:
         if suffix == ".toml":
             data = tomllib.loads(text)

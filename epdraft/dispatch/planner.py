@@ -205,7 +205,8 @@ def choose_for_config(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", metavar="CONFIG", help="parallel config (.toml/.yaml/.json)")
+    parser.add_argument("config", metavar="CONFIG",
+                        help="parallel config (.toml/.yaml/.json, or a shipped name such as local-cpu-2)")  # fmt: skip
     parser.add_argument("draft", metavar="DRAFT", help="draft checkpoint directory or its config.json")
     parser.add_argument("--rows", type=int, default=64, help="draft rows per rank per step (default 64)")
     parser.add_argument("--link", choices=sorted(LINKS), help="link class (default: from the config's cluster)")

@@ -11,10 +11,13 @@ import pytest
 import yaml
 
 from epdraft.config.parallel import (
+    SHIPPED_CONFIGS,
     ParallelConfig,
     apply_overrides,
     load_parallel_config,
     parallel_config_from_dict,
+    resolve_config_path,
+    shipped_config_names,
 )
 from epdraft.errors import ConfigError
 
@@ -72,6 +75,39 @@ def test_disaggregated_config_places_draft_on_node_1():
     assert pc.draft_ranks == tuple(range(8, 16))
     assert pc.target_ranks == tuple(range(8))
     assert pc.draft.moe_dp == 1
+
+
+def test_a_shipped_config_is_found_by_name_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert resolve_config_path("local-cpu-4") == SHIPPED_CONFIGS / "local-cpu-4.toml"
+    assert load_parallel_config("local-cpu-4", ["draft.moe_ep=2"]) == load_parallel_config(
+        SHIPPED_CONFIGS / "local-cpu-4.toml", ["draft.moe_ep=2"]
+    )
+    assert shipped_config_names() == tuple(p.stem for p in CONFIGS)
+    with pytest.raises(ConfigError, match=rf"{SHIPPED_CONFIGS / 'local-cpu-4.toml'} \(with --set draft.moe_ep=3\)"):
+        load_parallel_config("local-cpu-4", ["draft.moe_ep=3"])
+
+
+def test_a_path_is_read_relative_to_the_working_directory_before_any_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "local-cpu-4.toml").write_text(BASE_TOML.replace("moe_tp = 2", "moe_tp = 1"))
+    assert load_parallel_config("local-cpu-4.toml").draft.moe_tp == 1
+    (tmp_path / "local-cpu-4").write_text(BASE_TOML)  # an existing file is read, never swapped for the name
+    with pytest.raises(ConfigError, match="^local-cpu-4: unknown config format ''"):
+        load_parallel_config("local-cpu-4")
+    with pytest.raises(ConfigError, match=r"^configs/local-cpu-4.toml: cannot read the parallel config: No such file "
+                       r"or directory \(relative to the working directory; a shipped config is named without "
+                       r"directory or suffix: 2node-disaggregated, .*, local-cpu-4"):  # fmt: skip
+        load_parallel_config("configs/local-cpu-4.toml")
+
+
+def test_an_unknown_name_lists_the_shipped_configs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    names = ", ".join(p.stem for p in CONFIGS)
+    with pytest.raises(ConfigError) as e:
+        load_parallel_config("local-cpu-9")
+    assert str(e.value) == f"no config 'local-cpu-9': not a file, and the shipped configs are {names}"
+    assert names.startswith("2node-disaggregated, ") and names.endswith(", local-cpu-disagg")
 
 
 def test_toml_yaml_json_and_dict_agree(tmp_path):
@@ -207,10 +243,13 @@ def test_unreadable_files_name_the_file(tmp_path):
     bad_toml.write_text("[cluster\nnnodes = 1")
     with pytest.raises(ConfigError, match=rf"{bad_toml}: not valid TOML"):
         load_parallel_config(bad_toml)
-    with pytest.raises(ConfigError, match="expected .toml, .yaml, .yml or .json"):
+    (tmp_path / "c.ini").write_text(BASE_TOML)
+    with pytest.raises(ConfigError, match=rf"{tmp_path / 'c.ini'}: unknown config format '.ini'; expected .toml"):
         load_parallel_config(tmp_path / "c.ini")
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(ConfigError, match=rf"{tmp_path / 'missing.toml'}: cannot read the parallel config: No such"):
         load_parallel_config(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match=rf"{tmp_path / 'missing'}: cannot read the parallel config: No such"):
+        load_parallel_config(tmp_path / "missing")
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     with pytest.raises(ConfigError, match=rf"{empty}: expected a table of sections"):
