@@ -7,7 +7,8 @@ the routed experts' bytes as stored (bf16, or the checkpoint's quantization: mxf
 weight, fp8 8 bits plus its scales) and the attention (full, or sliding with its window). A DFlash /
 DSpark draft's header adds its block size, readout, Markov head and confidence head; a quantized
 checkpoint its format and whether a CUDA bf16 run keeps the experts quantized.
-A config the runtime cannot run exits 2 with one line naming the key.
+A config the runtime cannot run exits 2 with one line naming the key; a parallel config (TOML or
+YAML, or a shipped config's name) exits 2 pointing to `epdraft plan`, which checks one against a draft.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ import torch
 
 from epdraft.config.ffn import ActivationSpec, DraftDenseFFNSpec, DraftMoeFFNSpec, FFNSpec, RouterSpec
 from epdraft.config.hf import DraftMixFFNSpec, parse_ffn_config, read_config_json
+from epdraft.config.parallel import resolve_config_path, shipped_config_names
 from epdraft.errors import ConfigError
 from epdraft.layers.step_kernels import quantized_experts_reason
 from epdraft.models.spec import DraftModelSpec
 
 _BF16_BITS = 16
 _COLUMNS = ("layers", "kind", "E x I", "top-k", "router", "shared expert", "activation")
+# Formats only a parallel config uses here: a model's config is always JSON.
+_PARALLEL_CONFIG_SUFFIXES = (".toml", ".yaml", ".yml")
 _DRAFT_KEYS = ("dflash_config", "dspark_config", "dspark_block_size", "dspark_markov_rank", "dspark_target_layer_ids")
 
 
@@ -34,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    _refuse_parallel_config(args.path)
     config = read_config_json(args.path)
     source = str(_config_file(args.path))
     try:
@@ -82,6 +87,21 @@ def format_plan(
         weights = [f"weights: {spec.quantization.describe()}", _on_cuda(spec)]
     footer = f"routed expert weights ({fmt}): {_human(total)} total ({total} bytes)"
     return "\n".join([header, *weights, *table, footer])
+
+
+def _refuse_parallel_config(path: str) -> None:
+    """Point a parallel config to `epdraft plan`: read as a model's JSON it would only be "invalid JSON".
+
+    Raises ConfigError naming the file when `path` has a TOML/YAML suffix or is a shipped config's name
+    (and no file or directory of that name exists here).
+    """
+    p = Path(path)
+    by_name = not p.exists() and len(p.parts) == 1 and p.name in shipped_config_names()
+    if p.suffix.lower() in _PARALLEL_CONFIG_SUFFIXES or by_name:
+        raise ConfigError(
+            f"{resolve_config_path(p)}: a parallel config, not a model's config.json; "
+            f"check it against a draft with `epdraft plan {path} DRAFT_DIR`"
+        )
 
 
 def _config_file(path: str) -> Path:

@@ -167,6 +167,26 @@ def test_unreadable_inputs_exit_2_naming_the_file(capsys, tmp_path):
     assert code == 2 and "bad.json: invalid JSON" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("arg", ["configs/local-cpu-2.toml", "deploy.yaml", "DEPLOY.YML"])
+def test_a_parallel_config_file_is_pointed_to_plan(capsys, arg):
+    code, out, err = run_check(capsys, arg)
+    assert code == 2 and not out
+    assert err == (f"epdraft check: {arg}: a parallel config, not a model's config.json; "
+                   f"check it against a draft with `epdraft plan {arg} DRAFT_DIR`\n")  # fmt: skip
+
+
+def test_a_shipped_config_name_is_pointed_to_plan_naming_its_file(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_check(capsys, "local-cpu-4")
+    shipped = REPO / "epdraft" / "configs" / "local-cpu-4.toml"
+    assert code == 2 and not out
+    assert err == (f"epdraft check: {shipped}: a parallel config, not a model's config.json; "
+                   "check it against a draft with `epdraft plan local-cpu-4 DRAFT_DIR`\n")  # fmt: skip
+    (tmp_path / "local-cpu-4").mkdir()  # a directory of that name here is a draft directory, read as one
+    code, _, err = run_check(capsys, "local-cpu-4")
+    assert code == 2 and err.startswith(f"epdraft check: {Path('local-cpu-4') / 'config.json'}: cannot read")
+
+
 @pytest.mark.timeout(120)
 def test_module_entry_point_subprocess():
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
