@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from epdraft import cli
+from epdraft.bench import SUBCOMMANDS
 from epdraft.config.parallel import SHIPPED_CONFIGS, load_parallel_config
 
 ASSETS = Path(__file__).resolve().parent.parent / "epdraft" / "assets"
@@ -55,3 +56,12 @@ def test_run_default_config_is_the_shipped_local_cpu_2(tmp_path, monkeypatch):
     args = parser.parse_args(["run"])
     assert Path(args.config) == SHIPPED_CONFIGS / "local-cpu-2.toml"
     assert load_parallel_config(args.config) == load_parallel_config("local-cpu-2")
+
+
+def test_help_lists_every_bench_subcommand(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0
+    assert f"bench benchmarks: {', '.join(SUBCOMMANDS)}" in out
+    assert list(SUBCOMMANDS) == ["dispatch", "kernel", "step", "transfer"]
