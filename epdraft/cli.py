@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import sys
 
@@ -26,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only `command`'s module is imported, so one command's dependencies never break another."""
     parser = argparse.ArgumentParser(prog="epdraft", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action=_Version, help="print the installed version and exit")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
@@ -36,6 +38,21 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             module.add_arguments(cmd)
             cmd.set_defaults(_main=module.main)
     return parser
+
+
+class _Version(argparse.Action):
+    """`--version`: `epdraft <version>` from the installed package's metadata, read only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        try:
+            version = importlib.metadata.version("epdraft")
+        except importlib.metadata.PackageNotFoundError:
+            parser.exit(2, "epdraft --version: epdraft is not installed (no package metadata); pip install -e .\n")
+        print(f"epdraft {version}")  # stdout, as argparse's own version action
+        parser.exit()
 
 
 def main(argv: list[str] | None = None) -> int:

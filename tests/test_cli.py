@@ -3,6 +3,7 @@ to `plan`, `--version`, the help's command list and `--log-level` on either side
 
 from __future__ import annotations
 
+import importlib.metadata
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,26 @@ def test_run_default_config_is_the_shipped_local_cpu_2(tmp_path, monkeypatch):
     args = parser.parse_args(["run"])
     assert Path(args.config) == SHIPPED_CONFIGS / "local-cpu-2.toml"
     assert load_parallel_config(args.config) == load_parallel_config("local-cpu-2")
+
+
+def test_version_prints_the_installed_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 0 and not err
+    assert out == f"epdraft {importlib.metadata.version('epdraft')}\n"
+
+
+def test_version_without_package_metadata_says_so(capsys, monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and not out
+    assert err == "epdraft --version: epdraft is not installed (no package metadata); pip install -e .\n"
 
 
 def test_help_lists_every_bench_subcommand(capsys):
