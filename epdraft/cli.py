@@ -15,6 +15,7 @@ import sys
 from epdraft.errors import EpdraftError, Interrupted, RankFailed
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_LEVEL_HELP = f"logging level: {', '.join(LOG_LEVELS)} (default INFO)"
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("epdraft.run", "run speculative decoding end to end (the main job)"),
     "launch": ("epdraft.launch", "launch the worker ranks of a config through torchrun"),
@@ -28,10 +29,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only `command`'s module is imported, so one command's dependencies never break another."""
     parser = argparse.ArgumentParser(prog="epdraft", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action=_Version, help="print the installed version and exit")
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--log-level", default="INFO", help=LOG_LEVEL_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text)
+        # The same flag after the command; SUPPRESS keeps a value given before it when none is given after.
+        cmd.add_argument("--log-level", default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)
         if name == command:
             module = importlib.import_module(module_name)
             cmd.description = module.__doc__

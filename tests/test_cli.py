@@ -86,3 +86,25 @@ def test_help_lists_every_bench_subcommand(capsys):
     assert e.value.code == 0
     assert f"bench benchmarks: {', '.join(SUBCOMMANDS)}" in out
     assert list(SUBCOMMANDS) == ["dispatch", "kernel", "step", "transfer"]
+
+
+@pytest.mark.parametrize(
+    "before, after, level",
+    [([], [], "INFO"), (["--log-level", "warning"], [], "WARNING"), ([], ["--log-level", "ERROR"], "ERROR"),
+     (["--log-level", "DEBUG"], ["--log-level", "ERROR"], "ERROR")],
+    ids=["default", "before", "after", "after-wins"],
+)  # fmt: skip
+def test_log_level_before_or_after_the_command(capsys, tmp_path, monkeypatch, before, after, level):
+    monkeypatch.chdir(tmp_path)
+    configured = []
+    monkeypatch.setattr(cli.logging, "basicConfig", lambda **kw: configured.append(kw["level"]))
+    assert cli.main([*before, "launch", *after, "local-cpu-4", "--dry-run"]) == 0
+    assert configured == [level]
+    assert "--config local-cpu-4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--log-level", "LOUD", "run"], ["run", "--log-level", "LOUD"]], ids=["before", "after"])
+def test_a_bad_log_level_is_refused_on_either_side(capsys, argv):
+    assert one_line_refusal(capsys, argv) == (
+        "epdraft run: --log-level LOUD: expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL"
+    )
