@@ -14,7 +14,9 @@ exit 2, before torchrun runs. What is checked:
   prompt has text;
 - the draft against the target and the layout (what the ranks check before step 0);
 - the prompts: UTF-8 JSON lines of integer ids or text, not all refused, each within the
-  target's max_position_embeddings with --max-new-tokens.
+  target's max_position_embeddings with --max-new-tokens;
+- the transport: `placement.transfer = 'mooncake'` imports Mooncake's engine here (its wheel and the
+  system library it links, libibverbs).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class TargetFacts:
 def check_run(args: argparse.Namespace, pc: ParallelConfig) -> None:
     """Every check above, in the order a user fixes things; raises ConfigError / LoadError on the first fault."""
     check_run_flags(args)
+    check_transport(pc)
     spec, weight_map = check_draft(args.draft)
     target = check_target(args.target, draft=args.draft)
     try:
@@ -75,6 +78,16 @@ def check_run(args: argparse.Namespace, pc: ParallelConfig) -> None:
     elif args.check_weights is None:
         log.info("draft weights not checked for NaN/inf (over %d GiB; --check-weights reads them)",
                  WEIGHT_CHECK_BYTES >> 30)  # fmt: skip
+
+
+def check_transport(pc: ParallelConfig) -> None:
+    """Raise ConfigError naming placement.transfer when its transport cannot load here (Mooncake
+    installed without the system library it links fails only at import, in every rank otherwise)."""
+    if pc.placement.mode == "disaggregated" and pc.placement.transfer == "mooncake":
+        from epdraft.worker.transfer.mooncake import unavailable_reason
+
+        if (why := unavailable_reason()) is not None:
+            raise ConfigError(f"placement.{why}")
 
 
 def check_run_flags(args: argparse.Namespace) -> None:

@@ -422,3 +422,24 @@ def test_bad_input_to_the_other_commands_is_one_line(capsys, tmp_path, monkeypat
     bad.write_bytes(b"\xff{")
     line = refused(capsys, [str(bad) if a == "{bad}" else a for a in argv])
     assert text.replace("{bad}", str(bad)) in line, line
+
+
+def test_mooncake_without_its_system_library_is_refused_before_any_rank(capsys, tmp_path, no_ranks, monkeypatch):
+    """Mooncake's wheel installed but libibverbs.so.1 missing fails only at import: preflight imports
+    it (in well under 3 s) and names the library and the package that provides it."""
+    import time
+
+    from epdraft.worker.transfer import mooncake
+
+    missing = ImportError("libibverbs.so.1: cannot open shared object file: No such file or directory")
+
+    def import_fails():
+        return mooncake.import_failure_reason(missing)
+
+    monkeypatch.setattr(mooncake, "unavailable_reason", import_fails)
+    started = time.monotonic()
+    line = refused(capsys, ["run", "configs/local-cpu-disagg.toml", "--set", "placement.transfer=mooncake"])
+    assert time.monotonic() - started < 3
+    assert line == ("epdraft run: placement.transfer = 'mooncake' needs the system library libibverbs.so.1, which "
+                    "Mooncake's wheel links (Debian: apt-get install -y libibverbs1) (libibverbs.so.1: cannot open "
+                    "shared object file: No such file or directory)")

@@ -4,7 +4,6 @@ small sizes for `epdraft run`, a free port for a fixed one) or skipped for a rea
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shlex
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from epdraft.worker.transfer.mooncake import unavailable_reason as mooncake_unavailable_reason
 from tests.harness import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,8 +26,7 @@ SKIPS = {
         "needs a host named node0 and 16 GPUs",
     "epdraft launch configs/2node-h200x16-dp16-ep16.toml --node-rank 1 --master-addr node0 --master-port 29500":
         "needs a host named node0 and 16 GPUs",
-    "epdraft run configs/local-cpu-disagg.toml --set placement.transfer=mooncake":
-        None if importlib.util.find_spec("mooncake") else "needs Mooncake: pip install 'epdraft[mooncake]'",
+    "epdraft run configs/local-cpu-disagg.toml --set placement.transfer=mooncake": mooncake_unavailable_reason(),
 }  # fmt: skip
 
 

@@ -36,13 +36,20 @@ def unavailable_reason() -> str | None:
     try:
         import mooncake.engine  # noqa: F401
     except ImportError as e:
-        hint = INSTALL_HINT
-        if (torch.version.cuda or "").startswith("13."):
-            hint += " (on this CUDA 13 host: pip install 'epdraft[mooncake-cuda13]')"
-        if "libibverbs" in str(e):
-            hint += " and the system library libibverbs.so.1 (Debian: apt-get install -y libibverbs1)"
-        return f"{hint} ({e})"
+        return import_failure_reason(e)
     return None
+
+
+def import_failure_reason(error: ImportError) -> str:
+    """The one line for a failed `import mooncake.engine`: the system library Mooncake links when
+    that is what is missing (the wheel is there), else the install command."""
+    if "libibverbs" in str(error):
+        return ("transfer = 'mooncake' needs the system library libibverbs.so.1, which Mooncake's wheel links "
+                f"(Debian: apt-get install -y libibverbs1) ({error})")
+    hint = INSTALL_HINT
+    if (torch.version.cuda or "").startswith("13."):
+        hint += " (on this CUDA 13 host: pip install 'epdraft[mooncake-cuda13]')"
+    return f"{hint} ({error})"
 
 
 class MooncakeTransport:
