@@ -4,6 +4,7 @@ A bad draft, target, prompt file or flag found inside the ranks is found seconds
 rank, under torchrun's traceback. Here it is one line naming the file, key, line or tensor, and
 exit 2, before torchrun runs. What is checked:
 
+- the runner's extra: transformers (`epdraft[hf]`) is installed;
 - flags: --max-new-tokens >= 1, --max-prompts >= 0, --json's folder exists and is writable;
 - the draft: its config.json as `epdraft check` and the ranks parse it, and every safetensors
   header (names, shapes, dtypes, truncation) through a load onto the meta device, which reads no
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -61,6 +63,9 @@ class TargetFacts:
 
 def check_run(args: argparse.Namespace, pc: ParallelConfig) -> None:
     """Every check above, in the order a user fixes things; raises ConfigError / LoadError on the first fault."""
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError("the standalone runner's target runs on transformers, which is not installed: "
+                          "pip install 'epdraft[hf]'")  # fmt: skip
     check_run_flags(args)
     check_transport(pc)
     spec, weight_map = check_draft(args.draft)

@@ -184,3 +184,12 @@ def test_light_imports_load_no_torch(module):
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", f"import {module} loaded {out.strip()}"
+
+
+def test_the_runtime_imports_with_the_core_dependencies_alone():
+    """What an engine embeds needs neither transformers nor PyYAML (extras `[hf]`, `[yaml]`): both are
+    made unimportable, and `epdraft.runtime` with everything it imports still loads."""
+    code = ("import sys; sys.modules['transformers'] = None; sys.modules['yaml'] = None; "
+            "import epdraft.runtime, epdraft.models, epdraft.layers, epdraft.sampling, epdraft.config; print('ok')")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -443,3 +443,14 @@ def test_mooncake_without_its_system_library_is_refused_before_any_rank(capsys, 
     assert line == ("epdraft run: placement.transfer = 'mooncake' needs the system library libibverbs.so.1, which "
                     "Mooncake's wheel links (Debian: apt-get install -y libibverbs1) (libibverbs.so.1: cannot open "
                     "shared object file: No such file or directory)")
+
+
+def test_run_without_transformers_names_the_extra(capsys, no_ranks, monkeypatch):
+    """The standalone runner's target needs transformers (extra `[hf]`): refused first, in one line."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else find_spec(name, *a))
+    line = refused(capsys, ["run"])
+    assert line == ("epdraft run: the standalone runner's target runs on transformers, which is not installed: "
+                    "pip install 'epdraft[hf]'")

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Annotated, Any, Iterable, Literal
 
 import msgspec
-import yaml
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -415,18 +414,29 @@ def _read_file(path: Path) -> dict[str, Any]:
     suffix = path.suffix.lower()
     if suffix not in (".toml", ".yaml", ".yml", ".json"):
         raise ConfigError(f"{path}: unknown config format {suffix!r}; expected .toml, .yaml, .yml or .json")
-    try:
-        if suffix == ".toml":
-            data = tomllib.loads(text)
-        elif suffix == ".json":
-            data = json.loads(text)
-        else:
+    if suffix in (".yaml", ".yml"):
+        yaml = _yaml(path)
+        try:
             data = yaml.safe_load(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path}: not valid {suffix.lstrip('.').upper()}: {e}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    else:
+        try:
+            data = tomllib.loads(text) if suffix == ".toml" else json.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: not valid {suffix.lstrip('.').upper()}: {e}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a table of sections (cluster, draft, target, placement), got {data!r}")
     return data
+
+
+def _yaml(path: Path):
+    """PyYAML, an extra (every shipped config is TOML): ConfigError naming the install for a YAML file."""
+    try:
+        import yaml
+    except ImportError:
+        raise ConfigError(f"{path}: a YAML config needs PyYAML: pip install 'epdraft[yaml]' (or use TOML)") from None
+    return yaml
 
 
 def _explain(message: str, d: dict[str, Any]) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -260,3 +262,12 @@ def test_direct_construction_is_validated_too():
     pc = parallel_config_from_dict(BASE)
     with pytest.raises(ConfigError, match="draft.attn_dp = 4 must equal the draft world size 8"):
         ParallelConfig(cluster=type(pc.cluster)(nnodes=2, nproc_per_node=4), draft=pc.draft, target=pc.target)
+
+
+def test_a_yaml_config_without_pyyaml_names_the_extra(tmp_path, monkeypatch):
+    """PyYAML is an extra: without it a YAML config is refused naming the install, TOML still loads."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    monkeypatch.setitem(sys.modules, "yaml", None)
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: a YAML config needs PyYAML: pip install 'epdraft[yaml]'")):
+        load_parallel_config(path)
