@@ -7,6 +7,17 @@ graph can hold them, and an engine that verifies itself can call them as functio
 
 from epdraft.sampling.probabilities import greedy_probabilities, probabilities
 from epdraft.sampling.counter_rng import Stream, uniforms
-from epdraft.sampling.rejection import rejection_sample, sample_tokens, verify_drafts
+from epdraft.sampling.batch import SamplingBatch, request_seed, seeded
+from epdraft.sampling.rejection import (
+    Verdict,
+    greedy_accept,
+    rejection_sample,
+    sample_tokens,
+    speculative_accept,
+    verify_drafts,
+)
 
-__all__ = ["Stream", "greedy_probabilities", "probabilities", "rejection_sample", "sample_tokens", "uniforms", "verify_drafts"]
+__all__ = [
+    "SamplingBatch", "Stream", "Verdict", "greedy_accept", "greedy_probabilities", "probabilities", "rejection_sample",
+    "request_seed", "sample_tokens", "seeded", "speculative_accept", "uniforms", "verify_drafts",
+]  # fmt: skip

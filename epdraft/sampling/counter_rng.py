@@ -23,6 +23,7 @@ class Stream(enum.IntEnum):
     DRAFT = 1  # the draft's token sampled from q at this position
     ACCEPT = 2  # the target's accept test of the draft token at this position
     TARGET = 3  # the target's own token at this position: a rejection's residual, or the bonus
+    SEED = 4  # a request's own seed, derived from a run seed and its index (`request_seed`)
 
 
 def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:

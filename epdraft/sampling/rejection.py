@@ -11,9 +11,13 @@ is the argmax: bit-lossless. Batched over requests as tensor ops, no host sync.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from epdraft.sampling.batch import SamplingBatch
 from epdraft.sampling.counter_rng import Stream, uniforms
+from epdraft.sampling.probabilities import probabilities
 
 
 def sample_tokens(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -77,3 +81,75 @@ def verify_drafts(
     accept_u = uniforms(seed, positions[:, :K], Stream.ACCEPT)
     target_u = uniforms(seed, positions, Stream.TARGET)
     return rejection_sample(draft_NK, q_NKV, p_NKV, accept_u, target_u)
+
+
+def greedy_accept(blocks_NB: torch.Tensor, target_pred_NB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy verify rule (SGLang `compute_dflash_accept_len_and_bonus`).
+
+    blocks_NB: [N, B] candidates, column 0 the anchor; target_pred_NB: [N, B] the target's argmax
+    after each candidate row. Returns (accept_lens [N] in 0..B-1, bonus [N]), both int64.
+    """
+    matches = blocks_NB[:, 1:] == target_pred_NB[:, :-1]
+    accept_lens = matches.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    bonus = target_pred_NB.gather(1, accept_lens.unsqueeze(1)).squeeze(1)
+    return accept_lens, bonus
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """One verify step's outcome for N requests with K drafts each (all on the logits' device).
+
+    accept_lens [N] int64: leading drafts kept. next_tokens [N] int64: the target's token after
+    them (the next anchor). overlap_NK [N, K] fp32: sum_x min(p_i(x), q_i(x)), the probability that
+    draft i is accepted given the tokens before it (1 or 0 on a greedy row); only the positions up
+    to the first rejection were tested (`tested`), so only those say what the draft could reach.
+    """
+
+    accept_lens: torch.Tensor
+    next_tokens: torch.Tensor
+    overlap_NK: torch.Tensor
+
+    @property
+    def tested(self) -> torch.Tensor:
+        """[N] int64: positions whose accept test ran (the accepted ones and the first rejected)."""
+        return (self.accept_lens + 1).clamp(max=self.overlap_NK.shape[1])
+
+    def overlap_sum(self) -> torch.Tensor:
+        """[N] fp32: the overlap summed over the tested positions (expected accepts of those tests)."""
+        K = self.overlap_NK.shape[1]
+        mask = torch.arange(K, device=self.overlap_NK.device) < self.tested.unsqueeze(1)
+        return (self.overlap_NK * mask).sum(dim=1)
+
+
+def speculative_accept(
+    blocks_NB: torch.Tensor,
+    target_logits_NBV: torch.Tensor,
+    batch: SamplingBatch,
+    draft_probs_NKV: torch.Tensor | None,
+    start_N: torch.Tensor,
+) -> Verdict:
+    """The verify rule for N requests of mixed sampling settings, as an engine that verifies
+    itself calls it (no host sync; shapes fixed by the batch).
+
+    blocks_NB: [N, K + 1] the anchor then K drafts. target_logits_NBV: the target's logits after
+    each block row. batch: each request's sampling (an all-greedy batch takes the argmax rule,
+    bit-equal to greedy decoding, and needs no draft probabilities). draft_probs_NKV: [N, K, V]
+    the draft's proposal probabilities each draft was sampled from (`DraftStep.probs_NKV`;
+    one-hot rows for greedy requests). start_N: [N] int64, each anchor's sequence position (the
+    request's committed length): draft i decides position start + 1 + i, and the random numbers
+    of that decision are keyed by (seed, position).
+    """
+    drafts_NK = blocks_NB[:, 1:]
+    if batch.greedy:
+        pred_NB = target_logits_NBV.argmax(dim=-1)
+        accept, bonus = greedy_accept(blocks_NB, pred_NB)
+        return Verdict(accept, bonus, (drafts_NK == pred_NB[:, :-1]).float())
+    if draft_probs_NKV is None:
+        raise ValueError("a batch with sampled requests needs the draft's proposal probabilities (draft_probs_NKV)")
+    p_NBV = probabilities(target_logits_NBV, batch.temperature.unsqueeze(1), batch.top_k.unsqueeze(1),
+                          batch.top_p.unsqueeze(1))  # fmt: skip
+    q_NKV = draft_probs_NKV.to(p_NBV.device, torch.float32)
+    K = drafts_NK.shape[1]
+    overlap = torch.minimum(p_NBV[:, :K], q_NKV).sum(dim=-1)
+    accept, token = verify_drafts(drafts_NK, q_NKV, p_NBV, batch.seed, start_N.to(p_NBV.device) + 1)
+    return Verdict(accept, token, overlap)

@@ -18,6 +18,9 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from epdraft.errors import RequestError
+from epdraft.sampling.rejection import greedy_accept
+
+__all__ = ["PrefillResult", "Target", "VerifyResult", "greedy_accept", "validate_prompt"]
 
 
 def _segments(lens: torch.Tensor) -> list[slice]:
@@ -126,15 +129,3 @@ def validate_prompt(request_id: int, prompt: Sequence[int], vocab_size: int) -> 
             f"request {request_id}: token id {bad[0]!r} outside the vocabulary [0, {vocab_size}) "
             f"({len(bad)} bad id(s))"
         )
-
-
-def greedy_accept(blocks_NB: torch.Tensor, target_pred_NB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The greedy verify rule (SGLang `compute_dflash_accept_len_and_bonus`).
-
-    blocks_NB: [N, B] candidates, column 0 the anchor; target_pred_NB: [N, B] the target's argmax
-    after each candidate row. Returns (accept_lens [N] in 0..B-1, bonus [N]), both int64.
-    """
-    matches = blocks_NB[:, 1:] == target_pred_NB[:, :-1]
-    accept_lens = matches.to(torch.int64).cumprod(dim=1).sum(dim=1)
-    bonus = target_pred_NB.gather(1, accept_lens.unsqueeze(1)).squeeze(1)
-    return accept_lens, bonus
