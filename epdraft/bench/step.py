@@ -2,10 +2,12 @@
 
 For each batch N (`--requests`) and context length (`--context`), with random weights and a
 random context already in the KV pool, it times (CUDA events, median of `--steps` after
-`--warmup`, replicated layout, one rank) the draft step three ways: `cache`, the cache-based
+`--warmup`, replicated layout, one rank) the draft step these ways: `cache`, the cache-based
 eager step (what `DraftRuntime` ran before the KV pool); `eager`, the pooled step; `graph`, the
 pooled step replayed from a CUDA graph; `no-pdl`, the same graph captured with programmatic
-dependent launch off (`epdraft.kernels.launch`: on by default on sm_90+). The floor is max(bytes / 4.3 TB/s, FLOPs / 700 TFLOP/s)
+dependent launch off (`epdraft.kernels.launch`: on by default on sm_90+); `sampled`, the graph of
+the sampled readout with every request at `--temperature` (`--top-k`, `--top-p`): what sampling
+adds to a step, side by side with the greedy graph in the same run (`sampled/graph`). The floor is max(bytes / 4.3 TB/s, FLOPs / 700 TFLOP/s)
 counted from the shapes: the draft's non-expert weights, the experts the step's pairs touch
 (expected count), the lm_head, and the context K/V read. `kernels` is the eager pooled step's
 CUDA kernel count and `busy ms` their summed device time (torch profiler, launched without PDL:
@@ -31,11 +33,14 @@ import json
 import statistics
 from pathlib import Path
 
+import msgspec
 import torch
 
+from epdraft.config.sampling import SamplingParams, parse_sampling
 from epdraft.dispatch import StepPlan
 from epdraft.errors import ConfigError
 from epdraft.kernels import launch
+from epdraft.sampling import seeded
 
 HBM_BYTES_PER_S = 4.3e12  # H200 HBM3e, as reachable by a streaming kernel (device/H200.md)
 TENSOR_FLOPS = 700e12  # bf16 dense, sustained
@@ -61,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "flex_attention (compiled per shape)")
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="after the table, the K kernels that take the most time in one eager step, per point")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="the `sampled` column: the graph step with every request sampling at this "
+                        "temperature (default 0.8; 0 leaves the column out)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="the `sampled` column's top-p (default 1: none)")
+    parser.add_argument("--top-k", type=int, default=None, help="the `sampled` column's top-k (default none)")
     parser.add_argument("--json", type=Path, help="append the JSON lines to this file")
     parser.add_argument("--plot", type=Path, help="write step time vs N against the floor to this PNG")
     parser.add_argument("--from-json", type=Path, metavar="FILE",
@@ -173,6 +183,16 @@ def _profile(fn, top: int) -> tuple[int, float, list[tuple[str, int, float]]]:
     return kernel_breakdown([(e.name, e.device_time) for e in prof.events() if e.device_type.name == "CUDA"], top)
 
 
+def _sampling_flags(args: argparse.Namespace) -> SamplingParams | None:
+    """The `sampled` column's parameters (None: --temperature 0, no column); ConfigError naming the flag."""
+    if args.temperature == 0:
+        return None
+    flags = {"temperature": args.temperature, "top_p": args.top_p}
+    if args.top_k is not None:
+        flags["top_k"] = args.top_k
+    return parse_sampling(flags, "bench step")
+
+
 def main(args: argparse.Namespace) -> int:
     from epdraft.config.hf import read_config_json
     from epdraft.models.protocol import DRAFT_FAMILIES
@@ -190,6 +210,7 @@ def main(args: argparse.Namespace) -> int:
     requests, contexts = _ints(args.requests, "--requests"), _ints(args.context, "--context")
     if args.profile < 0:
         raise ConfigError(f"--profile {args.profile}: the number of kernels to list must be >= 0")
+    sampling = _sampling_flags(args)
     if not torch.cuda.is_available():
         raise ConfigError("epdraft bench step times the GPU step: it needs CUDA")
     config = read_config_json(args.draft) if args.draft else preset_config(PRESETS[args.preset])
@@ -205,16 +226,18 @@ def main(args: argparse.Namespace) -> int:
     label = str(args.draft) if args.draft else args.preset
     print(f"draft {label}: H {spec.hidden_size}, {spec.num_layers} layers, block {B}, bf16, {torch.cuda.get_device_name()}")
     print(f"{'N':>5}{'context':>9}{'cache ms':>10}{'eager ms':>10}{'graph ms':>10}{'no-pdl ms':>10}{'floor ms':>10}"
-          f"{'graph/floor':>12}{'cache/graph':>12}{'kernels':>9}{'busy ms':>9}")  # fmt: skip
+          f"{'graph/floor':>12}{'cache/graph':>12}{'kernels':>9}{'busy ms':>9}{'sampled ms':>11}{'sampled/graph':>14}")  # fmt: skip
     profiles = []
     for context in contexts:
         pool = draft.new_pool(max_requests=max(requests), max_context=context)
+        for slot in range(max(requests)):  # the slots the points use, each with the sampled column's params
+            pool.admit(slot, seeded(sampling or SamplingParams(), 0, slot))
         for layer in range(spec.num_layers):  # a random context in every slot, as if extended
             pool.k[layer].normal_()
             pool.v[layer].normal_()
         pool.lengths.fill_(context)
         graphs, no_pdl_graphs = (StepGraphs(
-            lambda s, a, plan: draft.step(pool, s, a, heads, plan), pad_slot=pool.pad_slot,
+            lambda s, a, plan, sample: draft.step(pool, s, a, heads, plan, sample=sample), pad_slot=pool.pad_slot,
             buckets=tuple(sorted(set(requests))), block_size=B, device=device,
         ) for _ in range(2))  # fmt: skip
         for n in requests:
@@ -234,6 +257,13 @@ def main(args: argparse.Namespace) -> int:
                 same = torch.equal(graphs.run(slot_list, anchor_list, plan).drafts_NK, drafts) and torch.equal(
                     no_pdl_graphs.run(slot_list, anchor_list, plan).drafts_NK, drafts
                 )
+                sampled = None
+                if sampling is not None:
+                    sampled = _time_ms(lambda: graphs.run(slot_list, anchor_list, plan, sample=True), args.steps,
+                                       args.warmup)  # fmt: skip
+                    step = draft.step(pool, slots, anchors, heads, plan, sample=True)
+                    replay = graphs.run(slot_list, anchor_list, plan, sample=True)
+                    same &= torch.equal(replay.drafts_NK, step.drafts_NK) and torch.equal(replay.probs_NKV, step.probs_NKV)
                 cache = None
                 if not args.no_cache_path:
                     caches = _caches_from_pool(draft, pool, n, context)
@@ -243,12 +273,14 @@ def main(args: argparse.Namespace) -> int:
             floor = floor_s * 1e3
             row = dict(kind="step", preset=label, requests=n, context=context, cache_ms=cache, eager_ms=eager,
                        graph_ms=graph, no_pdl_graph_ms=no_pdl, floor_ms=floor, bytes=nbytes, flops=flops, kernels=kernels,
-                       busy_ms=busy_us / 1e3, graph_equals_eager=same, device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
+                       busy_ms=busy_us / 1e3, sampled_graph_ms=sampled, sampling=sampling and msgspec.to_builtins(sampling),
+                       graph_equals_eager=same, device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
             results.append(row)
             cache_text = f"{cache:>10.3f}" if cache is not None else f"{'-':>10}"
             ratio = f"{cache / graph:>12.1f}" if cache is not None else f"{'-':>12}"
+            sampled_text = f"{sampled:>11.3f}{sampled / graph:>14.3f}" if sampled is not None else f"{'-':>11}{'-':>14}"
             print(f"{n:>5}{context:>9}{cache_text}{eager:>10.3f}{graph:>10.3f}{no_pdl:>10.3f}{floor:>10.3f}{graph / floor:>12.2f}"
-                  f"{ratio}{kernels:>9}{busy_us / 1e3:>9.3f}{'' if same else '  graph != eager'}")  # fmt: skip
+                  f"{ratio}{kernels:>9}{busy_us / 1e3:>9.3f}{sampled_text}{'' if same else '  graph != eager'}")  # fmt: skip
             if args.profile:
                 profiles.append((n, context, busy_us, top))
         del graphs, no_pdl_graphs, pool

@@ -13,6 +13,7 @@ mask). `epdraft.models.reference` runs the same layers over per-request caches: 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -30,6 +31,16 @@ from epdraft.models.attention import DFlashAttention, RMSNorm
 from epdraft.models.kv_pool import KVPool
 from epdraft.models.spec import DraftModelSpec
 from epdraft.models.step import DraftStep
+from epdraft.sampling import SamplingBatch, propose_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """A sampled step's readout inputs: the requests' sampling rows, and the sequence position of
+    each request's first draft [N] int64 (draft i decides position first_N + i)."""
+
+    batch: SamplingBatch
+    first_N: torch.Tensor
 
 
 class TargetHeads(Protocol):
@@ -243,7 +254,14 @@ class DFlashDraft(nn.Module):
 
     @torch.no_grad()
     def step(
-        self, pool: KVPool, slots_N: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None
+        self,
+        pool: KVPool,
+        slots_N: torch.Tensor,
+        anchors_N: torch.Tensor,
+        heads: TargetHeads,
+        plan: StepPlan | None,
+        *,
+        sample: bool = False,
     ) -> DraftStep:
         """The draft step: the blocks [anchor, MASK x (B-1)] of N requests through every layer, each
         request's context read in place from `pool`, the FFN once over all N * B rows (N may be 0:
@@ -254,6 +272,10 @@ class DFlashDraft(nn.Module):
         verified tokens), both on the draft's device. No host sync on CUDA and shapes that depend
         on N only: a CUDA graph can hold it. The caller checks `DraftStep.finite_L` with
         `check_finite` once it reads the drafts anyway.
+
+        sample: draw each draft from its request's processed logits (the sampling its pool slot
+        holds; greedy slots take the argmax) and return the proposal distributions in
+        `DraftStep.probs_NKV`; False: argmax drafts for every request (an all-greedy step).
         """
         B, device = self.spec.block_size, self.device
         ids_NB, x = self.embed_blocks(anchors_N, heads)
@@ -265,8 +287,12 @@ class DFlashDraft(nn.Module):
                 flag_nonfinite(x, nonfinite_L[i : i + 1])
             else:
                 nonfinite_L[i] = ~torch.isfinite(x).all()
-        drafts_NK, confidence_NK = self.read_out(self.draft_rows(self.norm(x)), anchors_N, heads)
-        return DraftStep(drafts_NK, nonfinite_L == 0, confidence_NK)
+        sampling = None
+        if sample:
+            first_N = pool.lengths[slots_N].long() + 1  # the sequence position of each request's first draft
+            sampling = Sampling(pool.sampling_of(slots_N, greedy=False), first_N)
+        drafts_NK, confidence_NK, probs_NKV = self.read_out(self.draft_rows(self.norm(x)), anchors_N, heads, sampling)
+        return DraftStep(drafts_NK, nonfinite_L == 0, confidence_NK, probs_NKV)
 
     def forward(
         self,
@@ -307,7 +333,14 @@ class DFlashDraft(nn.Module):
         return hidden_NBH[:, 1:] if self.spec.readout == "mask_filling" else hidden_NBH
 
     def read_out(
-        self, hidden_NkH: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(greedy drafts [N, k] int64, None: DFlash has no confidence) from the drafting rows' hidden."""
-        return heads.lm_head(hidden_NkH).argmax(dim=-1), None
+        self, hidden_NkH: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads, sampling: Sampling | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(drafts [N, k] int64, None: DFlash has no confidence, q [N, k, V] fp32 or None) from the
+        drafting rows' hidden: argmax drafts, or with `sampling` drafts sampled from the processed
+        logits (every position at once: DFlash's drafts are independent given the block)."""
+        logits_NkV = heads.lm_head(hidden_NkH)
+        if sampling is None:
+            return logits_NkV.argmax(dim=-1), None, None
+        positions_Nk = sampling.first_N.unsqueeze(1) + torch.arange(logits_NkV.shape[1], device=logits_NkV.device)
+        drafts_NK, q_NkV = propose_tokens(logits_NkV, sampling.batch, positions_Nk)
+        return drafts_NK, None, q_NkV

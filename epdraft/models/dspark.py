@@ -20,7 +20,8 @@ from torch import nn
 from epdraft.dispatch import Dispatcher
 from epdraft.errors import ConfigError
 from epdraft.layers.step_kernels import StepKernels
-from epdraft.models.dflash import DFlashDraft, TargetHeads
+from epdraft.models.dflash import DFlashDraft, Sampling, TargetHeads
+from epdraft.sampling import propose_tokens
 from epdraft.models.spec import DraftModelSpec
 
 
@@ -53,13 +54,17 @@ class MarkovHead(nn.Module):
         elif kind == "rnn":
             self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank, **kw)
 
-    def decode(self, base_NkV: torch.Tensor, hidden_NkH: torch.Tensor, anchors_N: torch.Tensor) -> torch.Tensor:
-        """Greedy drafts [N, k]: each step's logits [N, V] add the bias of the previous token (and hidden row)."""
+    def decode(
+        self, base_NkV: torch.Tensor, hidden_NkH: torch.Tensor, anchors_N: torch.Tensor, sampling: Sampling | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(drafts [N, k], q [N, k, V] fp32 or None): each step's logits [N, V] add the bias of the
+        previous token (and hidden row); the draft is their argmax, or with `sampling` a sample of
+        their processed distribution, which is then q of that position given the drafts before it."""
         N, k = base_NkV.shape[:2]
         prev = anchors_N.to(base_NkV.device)
         w2 = self.markov_w2.weight.float()
         state = base_NkV.new_zeros(N, self.markov_w1.embedding_dim, dtype=torch.float32)
-        drafts = []
+        drafts, probs = [], []
         for i in range(k):
             e, h = self.markov_w1(prev).float(), hidden_NkH[:, i].float()
             if self.kind == "gated":
@@ -68,9 +73,19 @@ class MarkovHead(nn.Module):
                 state, latent = rnn_step(state, e, h, self.joint_proj.weight.float(), self.joint_proj.bias.float())
             else:
                 latent = e
-            prev = (base_NkV[:, i].float() + latent @ w2.T).argmax(dim=-1)
+            logits_NV = base_NkV[:, i].float() + latent @ w2.T
+            if sampling is None:
+                prev = logits_NV.argmax(dim=-1)
+            else:
+                positions_N1 = (sampling.first_N + i).unsqueeze(1)
+                tokens_N1, q_N1V = propose_tokens(logits_NV.unsqueeze(1), sampling.batch, positions_N1)
+                prev = tokens_N1[:, 0]
+                probs.append(q_N1V)
             drafts.append(prev)
-        return torch.stack(drafts, dim=1) if drafts else base_NkV.new_zeros(N, 0, dtype=torch.long)
+        drafts_Nk = torch.stack(drafts, dim=1) if drafts else base_NkV.new_zeros(N, 0, dtype=torch.long)
+        if sampling is None:
+            return drafts_Nk, None
+        return drafts_Nk, torch.cat(probs, dim=1) if probs else base_NkV.new_zeros(N, 0, base_NkV.shape[-1])
 
 
 class ConfidenceHead(nn.Module):
@@ -106,16 +121,17 @@ class DSparkDraft(DFlashDraft):
             self.confidence_head = ConfidenceHead(width, device=device)
 
     def read_out(
-        self, hidden_NkH: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(drafts [N, k] from the Markov head's decode, each draft's confidence [N, k] fp32 when
-        the export has a confidence head, else None): read from the same hidden row as the draft,
-        with the token before it (the anchor for the first)."""
-        drafts = self.markov_head.decode(heads.lm_head(hidden_NkH), hidden_NkH, anchors_N)
+        self, hidden_NkH: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads, sampling: Sampling | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(drafts [N, k] from the Markov head's decode (argmax, or sampled with `sampling`), each
+        draft's confidence [N, k] fp32 when the export has a confidence head, else None, q or None):
+        the confidence is read from the same hidden row as the draft, with the token before it
+        (the anchor for the first)."""
+        drafts, probs = self.markov_head.decode(heads.lm_head(hidden_NkH), hidden_NkH, anchors_N, sampling)
         if self.confidence_head is None:
-            return drafts, None
+            return drafts, None, probs
         prev = torch.cat([anchors_N.to(drafts.device).unsqueeze(1), drafts[:, :-1]], dim=1)
-        return drafts, self.confidence(hidden_NkH, prev)
+        return drafts, self.confidence(hidden_NkH, prev), probs
 
     @torch.no_grad()
     def confidence(self, hidden_NkH: torch.Tensor, prev_Nk: torch.Tensor) -> torch.Tensor:

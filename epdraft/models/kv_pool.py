@@ -6,13 +6,20 @@ its lifetime; its committed context rows [0, length) are appended by `extend`, a
 step writes its block's K/V to rows [length, length + B), where the next commit overwrites them
 (only verified rows ever count as context). Nothing is copied per step and nothing already
 admitted is ever moved, evicted or overwritten by another request.
+
+Each slot also holds its request's sampling parameters on the device (the pad slot greedy), so a
+captured step gathers them by the same slot index as the context (`sampling_of`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from epdraft.config.sampling import SamplingParams
 from epdraft.errors import RequestError
+from epdraft.sampling import SamplingBatch
+
+GREEDY = SamplingParams()
 
 
 class KVPool:
@@ -48,6 +55,8 @@ class KVPool:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = torch.zeros(max_requests + 1, dtype=torch.int32, device=device)
         self._host_lengths = [0] * (max_requests + 1)
+        self._params = [GREEDY] * (max_requests + 1)
+        self._sampling = SamplingBatch.of(self._params, device)  # row = slot; its `greedy` is unused
         self._slots: dict[int, int] = {}
         self._free = list(range(max_requests - 1, -1, -1))  # pop() hands out slot 0 first
 
@@ -73,8 +82,13 @@ class KVPool:
         """Committed context rows of a request."""
         return self._host_lengths[self.slot(request_id)]
 
-    def admit(self, request_id: int) -> int:
-        """Give a new request an empty slot; RequestError naming draft.max_requests when none is free."""
+    def sampled(self, request_id: int) -> bool:
+        """Whether the request samples (temperature > 0) rather than decoding greedily."""
+        return not self._params[self.slot(request_id)].greedy
+
+    def admit(self, request_id: int, sampling: SamplingParams = GREEDY) -> int:
+        """Give a new request an empty slot holding its `sampling` (a sampled request carries its
+        seed, see `epdraft.sampling.seeded`); RequestError naming draft.max_requests when none is free."""
         if request_id in self._slots:
             raise RequestError(f"request {request_id} is already active on this rank")
         if not self._free:
@@ -82,9 +96,12 @@ class KVPool:
                 f"request {request_id}: the KV pool is full, {self.max_requests} requests active "
                 f"(draft.max_requests = {self.max_requests})"
             )
+        if not sampling.greedy and sampling.seed is None:
+            raise RequestError(f"request {request_id}: sampled (temperature {sampling.temperature}) without a seed")
         slot = self._free.pop()
         self._slots[request_id] = slot
         self._set_length(slot, 0)
+        self._set_sampling(slot, sampling)
         return slot
 
     def release(self, request_id: int) -> None:
@@ -92,6 +109,7 @@ class KVPool:
         slot = self._slots.pop(request_id, None)
         if slot is not None:
             self._set_length(slot, 0)
+            self._set_sampling(slot, GREEDY)
             self._free.append(slot)
 
     def check_room(self, request_id: int, rows: int) -> None:
@@ -116,3 +134,15 @@ class KVPool:
     def _set_length(self, slot: int, length: int) -> None:
         self._host_lengths[slot] = length
         self.lengths[slot] = length
+
+    def _set_sampling(self, slot: int, params: SamplingParams) -> None:
+        self._params[slot] = params
+        row = SamplingBatch.of([params])
+        for name in ("temperature", "top_k", "top_p", "seed"):
+            getattr(self._sampling, name)[slot] = getattr(row, name)[0]
+
+    def sampling_of(self, slots_N: torch.Tensor, *, greedy: bool) -> SamplingBatch:
+        """The sampling rows of `slots_N` (device, no host sync); `greedy`: whether the caller knows
+        every one of them is greedy."""
+        t = self._sampling
+        return SamplingBatch(t.temperature[slots_N], t.top_k[slots_N], t.top_p[slots_N], t.seed[slots_N], greedy)

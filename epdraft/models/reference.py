@@ -19,8 +19,9 @@ import torch
 
 from epdraft.dispatch import StepPlan
 from epdraft.models.cache import ContextScratch, DraftCache, context_mask, padded_context
-from epdraft.models.dflash import DFlashDraft, TargetHeads, check_finite
+from epdraft.models.dflash import DFlashDraft, Sampling, TargetHeads, check_finite
 from epdraft.models.step import DraftStep
+from epdraft.sampling import SamplingBatch
 
 
 def new_cache(draft: DFlashDraft) -> DraftCache:
@@ -67,12 +68,17 @@ def reference_hidden(
 @torch.no_grad()
 def reference_step(
     draft: DFlashDraft, caches: list[DraftCache], anchors_N: torch.Tensor, heads: TargetHeads,
-    plan: StepPlan | None = None,
+    plan: StepPlan | None = None, sampling: SamplingBatch | None = None,
 ) -> DraftStep:
     """What `draft.step` returns for these requests, computed over their caches; N may be 0 (every
-    FFN still runs once, with `plan`). Raises NonFiniteError naming the first layer whose output went
-    NaN or inf (one host read of the flags, after the readout)."""
+    FFN still runs once, with `plan`); `sampling`: the requests' rows for a sampled step (as
+    `draft.step(..., sample=True)` reads them from its pool). Raises NonFiniteError naming the
+    first layer whose output went NaN or inf (one host read of the flags, after the readout)."""
     hidden, finite_L = reference_hidden(draft, caches, anchors_N, heads, plan)
-    drafts_NK, confidence_NK = draft.read_out(draft.draft_rows(hidden), anchors_N, heads)
+    readout = None
+    if sampling is not None:
+        first_N = torch.tensor([c.length + 1 for c in caches], dtype=torch.long, device=hidden.device)
+        readout = Sampling(sampling, first_N)
+    drafts_NK, confidence_NK, probs_NKV = draft.read_out(draft.draft_rows(hidden), anchors_N, heads, readout)
     check_finite(finite_L, f"over {len(caches)} requests' blocks", hidden.dtype)
-    return DraftStep(drafts_NK, finite_L, confidence_NK)
+    return DraftStep(drafts_NK, finite_L, confidence_NK, probs_NKV)

@@ -1,4 +1,4 @@
-"""Single-process greedy speculative decoding: the reference loop the distributed runtime must equal."""
+"""Single-process speculative decoding (greedy or sampled): the reference loop the distributed runtime must equal."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from collections.abc import Sequence
 
 import torch
 
+from epdraft.config.sampling import SamplingParams
 from epdraft.errors import ConfigError
 from epdraft.models.dflash import DFlashDraft, check_finite
+from epdraft.sampling import seeded
 from epdraft.target.base import Target
 
 
@@ -28,9 +30,17 @@ class SpeculativeOutput:
 
 
 def speculative_generate(
-    target: Target, draft: DFlashDraft, prompt_ids: Sequence[int], max_new_tokens: int, *, request_id: int = 0
+    target: Target,
+    draft: DFlashDraft,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    request_id: int = 0,
+    sampling: SamplingParams | None = None,
 ) -> SpeculativeOutput:
-    """Greedy speculative decode of one prompt; lossless: tokens equal the target's own greedy decode.
+    """Speculative decode of one prompt. Greedy (`sampling` None or temperature 0) is lossless:
+    tokens equal the target's own greedy decode; sampled, the tokens are distributed as the
+    target's own sampling with `sampling` (and fixed by its seed, or by `request_id` without one).
 
     prefill -> draft context = prompt features, anchor = first token; then per step: the draft's
     step proposes its drafts, verify [anchor, drafts], append the committed rows' features to the
@@ -41,20 +51,21 @@ def speculative_generate(
         raise ConfigError(
             f"target features {list(target.feature_layer_ids)} != draft target_layer_ids {list(draft.spec.target_layer_ids)}"
         )
-    pre = target.prefill([request_id], [list(prompt_ids)])
+    params = seeded(sampling or SamplingParams(), 0, request_id)
+    pre = target.prefill([request_id], [list(prompt_ids)], [params])
     pool = draft.new_pool(max_requests=1, max_context=len(prompt_ids) + max_new_tokens + draft.block_size)
-    pool.admit(request_id)
+    pool.admit(request_id, params)
     slots_N = torch.tensor([pool.slot(request_id)], device=draft.device)
     try:
         draft.extend(pool, [request_id], [pre.features])
         anchor = pre.first_tokens[:1]
         tokens, accept_lens = [int(anchor[0])], []
         while len(tokens) < max_new_tokens:
-            step = draft.step(pool, slots_N, anchor.to(draft.device), target, None)
+            step = draft.step(pool, slots_N, anchor.to(draft.device), target, None, sample=not params.greedy)
             check_finite(step.finite_L, "one request's block", pool.k[0].dtype)
             drafts = step.drafts_NK
             block = torch.cat([anchor.to(drafts.device).unsqueeze(1), drafts], dim=1)
-            result = target.verify([request_id], block)
+            result = target.verify([request_id], block, step.probs_NKV)
             draft.extend(pool, [request_id], [result.features])
             tokens += result.emitted(0)
             accept_lens.append(int(result.accept_lens[0]))

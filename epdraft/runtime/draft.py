@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from epdraft.config.parallel import DEFAULT_HANG_TIMEOUT_S, ParallelConfig
+from epdraft.config.sampling import SamplingParams
 from epdraft.dispatch import MoeLayout, StepPlan, make_dispatcher
 from epdraft.errors import ConfigError, EpdraftError, NonFiniteError, RequestError
 from epdraft.layers.moe import DraftMoE
@@ -47,6 +48,7 @@ from epdraft.parallel.watchdog import Watchdog
 from epdraft.runtime.coordinator import StepCoordinator
 from epdraft.runtime.graphs import StepGraphs, default_buckets
 from epdraft.runtime.timing import PhaseTimers, TimedDispatcher, time_forward
+from epdraft.sampling import seeded
 from epdraft.target.base import VerifyResult
 
 log = logging.getLogger(__name__)
@@ -56,12 +58,15 @@ log = logging.getLogger(__name__)
 class Proposal:
     """One step's drafts on this rank: drafts[request_id] = [num_drafts] int64 tokens; plan as agreed
     by all ranks; confidence[request_id] = [num_drafts] fp32, each draft's predicted accept
-    probability, from a DSpark draft's confidence head (empty for drafts without one). All on the
-    draft's device."""
+    probability, from a DSpark draft's confidence head (empty for drafts without one);
+    probs[request_id] = [num_drafts, V] fp32, the proposal distribution each draft was sampled
+    from, for every request of a step in which any request samples (empty when all are greedy:
+    the verifier then takes the argmax rule). All on the draft's device."""
 
     plan: StepPlan
     drafts: dict[int, torch.Tensor]
     confidence: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    probs: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 class DraftRuntime:
@@ -115,7 +120,7 @@ class DraftRuntime:
         self.graphs: StepGraphs | None = None
         if self.kernels.graphs:
             self.graphs = StepGraphs(
-                lambda slots, anchors, plan: draft.step(self.pool, slots, anchors, heads, plan),
+                lambda slots, anchors, plan, sample: draft.step(self.pool, slots, anchors, heads, plan, sample=sample),
                 pad_slot=self.pool.pad_slot, buckets=default_buckets(max_requests), block_size=draft.block_size,
                 device=draft.device,
             )  # fmt: skip
@@ -212,13 +217,17 @@ class DraftRuntime:
     def _phase(self, name: str):
         return self.timers.phase(name) if self.timers is not None else contextlib.nullcontext()
 
-    def add_request(self, request_id: int, prompt_features: torch.Tensor) -> None:
+    def add_request(
+        self, request_id: int, prompt_features: torch.Tensor, sampling: SamplingParams | None = None
+    ) -> None:
         """Start a request's draft context from its prompt rows' target features [L, K*H].
 
+        sampling: how the request samples (None: greedy); its drafts are then sampled with it, and
+        a request without a seed of its own draws from one derived from its id (`seeded`).
         Raises RequestError naming draft.max_requests / draft.max_context when it does not fit;
         the requests already admitted are untouched.
         """
-        self.pool.admit(request_id)
+        self.pool.admit(request_id, seeded(sampling or SamplingParams(), 0, request_id))
         try:
             with self._phase("draft_context"):
                 self.draft.extend(self.pool, [request_id], [prompt_features])
@@ -254,14 +263,15 @@ class DraftRuntime:
             self.watchdog.progress(phase="draft propose")
             ids = list(anchors)
             slots = [self.pool.slot(r) for r in ids]
+            sample = any(self.pool.sampled(r) for r in ids)
             with self._phase("draft_propose"):
                 if self.graphs is not None:
-                    out = self.graphs.run(slots, [anchors[r] for r in ids], plan)
+                    out = self.graphs.run(slots, [anchors[r] for r in ids], plan, sample=sample)
                 else:
                     device = self.draft.device
                     slots_N = torch.tensor(slots, dtype=torch.long, device=device)
                     anchors_N = torch.tensor([anchors[r] for r in ids], dtype=torch.long, device=device)
-                    out = self.draft.step(self.pool, slots_N, anchors_N, self.heads, plan)
+                    out = self.draft.step(self.pool, slots_N, anchors_N, self.heads, plan, sample=sample)
         except EpdraftError:
             raise
         except RuntimeError as e:
@@ -271,7 +281,8 @@ class DraftRuntime:
             raise self._failed(lost) from e
         self._step, self._finite_L = step, out.finite_L
         confidence = {} if out.confidence_NK is None else {r: out.confidence_NK[i] for i, r in enumerate(ids)}
-        return Proposal(plan, {r: out.drafts_NK[i] for i, r in enumerate(ids)}, confidence)
+        probs = {} if out.probs_NKV is None else {r: out.probs_NKV[i] for i, r in enumerate(ids)}
+        return Proposal(plan, {r: out.drafts_NK[i] for i, r in enumerate(ids)}, confidence, probs)
 
     def _failed(self, error: EpdraftError) -> EpdraftError:
         """Tell the peers why this rank fails (they name it rather than calling it gone); return `error`."""

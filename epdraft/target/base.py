@@ -4,7 +4,9 @@ A target owns each request's exact KV cache. Per step it verifies one block per 
 [anchor, d_1 .. d_{B-1}] at positions start .. start+B-1, keeps the longest prefix of drafts that
 equals its own greedy predictions, and returns the bonus token (its prediction after that prefix,
 the next anchor) and the features of the committed rows (anchor + accepted drafts) that the draft
-appends to its context. The bonus row's features come with the next verify.
+appends to its context. The bonus row's features come with the next verify. A sampled request
+keeps the longest prefix the speculative-sampling walk accepts, and its bonus is sampled
+(`epdraft.sampling`): its tokens are distributed as the target's own sampling.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from epdraft.config.sampling import SamplingParams
 from epdraft.errors import RequestError
 from epdraft.sampling.rejection import greedy_accept
 
@@ -61,6 +64,10 @@ class VerifyResult:
     commit_lens: [N] int64 = accept_lens + 1, rows committed to the target KV (anchor + accepted).
     committed_ids: [sum(commit_lens)] int64, tokens of the committed rows (each request's anchor first).
     features: [sum(commit_lens), K*H] target features of the committed rows.
+    tested: [N] int64, the accept tests that ran (the accepted drafts and the first rejected one),
+        or None when the target does not say.
+    expected_accepts: [N] fp32, sum over those tests of sum_x min(p, q): the accepts the draft could
+        expect there (equal in expectation to accept_lens under sampling), or None.
     """
 
     request_ids: tuple[int, ...]
@@ -69,6 +76,8 @@ class VerifyResult:
     commit_lens: torch.Tensor
     committed_ids: torch.Tensor
     features: torch.Tensor
+    tested: torch.Tensor | None = None
+    expected_accepts: torch.Tensor | None = None
 
     @functools.cached_property
     def _slices(self) -> list[slice]:
@@ -98,12 +107,22 @@ class Target(Protocol):
     num_layers: int
     feature_layer_ids: tuple[int, ...]
 
-    def prefill(self, request_ids: Sequence[int], prompts: Sequence[Sequence[int]]) -> PrefillResult:
-        """Run each prompt, keep its KV cache; raises RequestError for an empty or out-of-vocab prompt."""
+    def prefill(
+        self,
+        request_ids: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        sampling: Sequence[SamplingParams] | None = None,
+    ) -> PrefillResult:
+        """Run each prompt, keep its KV cache and sampling (None: every request greedy); the first
+        token is the argmax, or sampled. Raises RequestError for an empty or out-of-vocab prompt."""
         ...
 
-    def verify(self, request_ids: Sequence[int], blocks_NB: torch.Tensor) -> VerifyResult:
-        """Verify one block [anchor, drafts...] per request (greedy rule); KV cropped to the committed rows."""
+    def verify(
+        self, request_ids: Sequence[int], blocks_NB: torch.Tensor, draft_probs_NKV: torch.Tensor | None = None
+    ) -> VerifyResult:
+        """Verify one block [anchor, drafts...] per request: the greedy rule for an all-greedy batch,
+        else speculative sampling against the draft's proposal probabilities `draft_probs_NKV`
+        [N, K, V] (`epdraft.sampling.speculative_accept`); KV cropped to the committed rows."""
         ...
 
     def release(self, request_id: int) -> None:

@@ -16,8 +16,18 @@ from pathlib import Path
 
 import torch
 
+from epdraft.config.sampling import SamplingParams
 from epdraft.errors import ConfigError, LoadError, RequestError
-from epdraft.target.base import PrefillResult, VerifyResult, greedy_accept, validate_prompt
+from epdraft.sampling import (
+    SamplingBatch,
+    Stream,
+    probabilities,
+    sample_tokens,
+    seeded,
+    speculative_accept,
+    uniforms,
+)
+from epdraft.target.base import PrefillResult, VerifyResult, validate_prompt
 from epdraft.target.padded_kv import (
     RequestKV,
     kv_of_single,
@@ -69,6 +79,7 @@ class HFTarget:
         # Per layer, the window transformers' own cache keeps (verify keeps the same rows).
         self.layer_windows = layer_windows(cfg)
         self._kv: dict[int, RequestKV] = {}
+        self._sampling: dict[int, SamplingParams] = {}
 
     @classmethod
     def from_pretrained(
@@ -106,17 +117,26 @@ class HFTarget:
         return torch.cat([hidden_states[j + 1] for j in self.feature_layer_ids], dim=-1)
 
     @torch.no_grad()
-    def prefill(self, request_ids: Sequence[int], prompts: Sequence[Sequence[int]]) -> PrefillResult:
+    def prefill(
+        self,
+        request_ids: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        sampling: Sequence[SamplingParams] | None = None,
+    ) -> PrefillResult:
         """Run each prompt into a fresh KV cache: the first token and every prompt row's features.
 
+        sampling: each request's (None: all greedy); kept for its verifies. A sampled request's
+        first token is drawn from its processed logits with the TARGET stream at its position (a
+        request without a seed of its own draws from one derived from its id, `seeded`).
         Prompts run one at a time: the serving loop admits requests one by one, and unpadded
         prompts need no fully-masked pad queries. Raises RequestError naming the request for an
         empty prompt or an id outside the vocabulary.
         """
         from transformers import DynamicCache
 
+        params = list(sampling) if sampling is not None else [SamplingParams()] * len(request_ids)
         firsts, lens, feats = [], [], []
-        for rid, prompt in zip(request_ids, prompts, strict=True):
+        for rid, prompt, p in zip(request_ids, prompts, params, strict=True):
             validate_prompt(rid, prompt, self.vocab_size)
             if rid in self._kv:
                 raise RequestError(f"request {rid}: already prefilled on this target")
@@ -124,7 +144,8 @@ class HFTarget:
             ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
             out = self.model(input_ids=ids, use_cache=True, output_hidden_states=True, **{self._cache_kw: cache})
             self._kv[rid] = kv_of_single(cache, len(prompt))
-            firsts.append(out.logits[0, -1].argmax())
+            self._sampling[rid] = p = seeded(p, 0, rid)
+            firsts.append(self._first_token(out.logits[0, -1], p, len(prompt)))
             lens.append(len(prompt))
             feats.append(self._features(out.hidden_states)[0])
         H = self.hidden_size * len(self.feature_layer_ids)
@@ -135,9 +156,25 @@ class HFTarget:
             features=torch.cat(feats) if feats else torch.zeros(0, H, device=self.device),
         )
 
+    def _first_token(self, logits_V: torch.Tensor, params: SamplingParams, position: int) -> torch.Tensor:
+        """The token at `position` (the prompt's length) after the prompt: argmax, or sampled."""
+        if params.greedy:
+            return logits_V.argmax()
+        row = SamplingBatch.of([params], logits_V.device)
+        probs = probabilities(logits_V.unsqueeze(0), row.temperature, row.top_k, row.top_p)
+        u = uniforms(row.seed, torch.tensor([position], device=logits_V.device), Stream.TARGET)
+        return sample_tokens(probs, u)[0]
+
     @torch.no_grad()
-    def verify(self, request_ids: Sequence[int], blocks_NB: torch.Tensor) -> VerifyResult:
-        """Greedy-verify one block per request in one batched forward; each KV keeps only the committed rows."""
+    def verify(
+        self, request_ids: Sequence[int], blocks_NB: torch.Tensor, draft_probs_NKV: torch.Tensor | None = None
+    ) -> VerifyResult:
+        """Verify one block per request in one batched forward; each KV keeps only the committed rows.
+
+        An all-greedy batch keeps the longest prefix equal to the target's argmax (bit-lossless);
+        with sampled requests the speculative-sampling walk decides (`speculative_accept`), against
+        `draft_probs_NKV` [N, K, V], the draft's proposal probabilities (RequestError without them).
+        """
         N, B = blocks_NB.shape
         H = self.hidden_size * len(self.feature_layer_ids)
         if len(request_ids) != N:
@@ -151,31 +188,40 @@ class HFTarget:
             empty = torch.zeros(0, dtype=torch.long)
             return VerifyResult(request_ids=(), accept_lens=empty, bonus=empty, commit_lens=empty,
                                 committed_ids=empty, features=torch.zeros(0, H, device=self.device))
+        batch = SamplingBatch.of([self._sampling[rid] for rid in request_ids], self.device)
+        if not batch.greedy and draft_probs_NKV is None:
+            sampled = next(rid for rid in request_ids if not self._sampling[rid].greedy)
+            raise RequestError(f"request {sampled} samples: verify needs the draft's proposal probabilities")
         blocks_NB = blocks_NB.to(self.device)
-        batch = stack_left_padded([self._kv[rid] for rid in request_ids], B, self.model.config)
+        kvs = [self._kv[rid] for rid in request_ids]
+        start_N = torch.tensor([seq_len(kv) for kv in kvs], dtype=torch.long, device=self.device)
+        batch_kv = stack_left_padded(kvs, B, self.model.config)
         out = self.model(
-            input_ids=blocks_NB, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-            use_cache=True, output_hidden_states=True, **{self._cache_kw: batch.cache},
+            input_ids=blocks_NB, attention_mask=batch_kv.attention_mask, position_ids=batch_kv.position_ids,
+            use_cache=True, output_hidden_states=True, **{self._cache_kw: batch_kv.cache},
         )
         feats_NBF = self._features(out.hidden_states)
-        accept, bonus = greedy_accept(blocks_NB, out.logits.argmax(dim=-1))
-        commit = accept + 1
+        verdict = speculative_accept(blocks_NB, out.logits, batch, draft_probs_NKV, start_N)
+        commit = verdict.accept_lens + 1
         commit_list = commit.tolist()
-        for rid, kv in zip(request_ids, split_committed(batch, commit_list)):
+        for rid, kv in zip(request_ids, split_committed(batch_kv, commit_list)):
             self._kv[rid] = kv
         keep_NB = torch.arange(B, device=self.device) < commit.unsqueeze(1)
         return VerifyResult(
             request_ids=tuple(request_ids),
-            accept_lens=accept,
-            bonus=bonus,
+            accept_lens=verdict.accept_lens,
+            bonus=verdict.next_tokens,
             commit_lens=commit,
             committed_ids=blocks_NB[keep_NB],
             features=feats_NBF[keep_NB],
+            tested=verdict.tested,
+            expected_accepts=verdict.overlap_sum(),
         )
 
     def release(self, request_id: int) -> None:
-        """Drop a finished request's KV."""
+        """Drop a finished request's KV and sampling."""
         self._kv.pop(request_id, None)
+        self._sampling.pop(request_id, None)
 
     def seq_len(self, request_id: int) -> int:
         """Tokens in the request's target KV (its committed length)."""

@@ -29,7 +29,7 @@ def graph_vs_eager(draft, heads, *, requests: int, bucket: int, buckets: tuple[i
     gen = torch.Generator(device="cuda").manual_seed(seed)
     draft.extend(pool, rids, [torch.randn(r, width, generator=gen, device="cuda").bfloat16() for r in first_rows])
     graphs = StepGraphs(
-        lambda s, a, plan: draft.step(pool, s, a, heads, plan), pad_slot=pool.pad_slot,
+        lambda s, a, plan, sample: draft.step(pool, s, a, heads, plan, sample=sample), pad_slot=pool.pad_slot,
         buckets=buckets, block_size=B, device=torch.device("cuda"),
     )  # fmt: skip
     slots = [pool.slot(r) for r in rids]

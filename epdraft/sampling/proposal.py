@@ -1,0 +1,23 @@
+"""The draft's side of speculative sampling: tokens drawn from the processed draft logits, and the
+proposal distribution q they were drawn from (what the verifier's accept test and residual need)."""
+
+from __future__ import annotations
+
+import torch
+
+from epdraft.sampling.batch import SamplingBatch
+from epdraft.sampling.counter_rng import Stream, uniforms
+from epdraft.sampling.probabilities import probabilities
+from epdraft.sampling.rejection import sample_tokens
+
+
+def propose_tokens(
+    logits_NkV: torch.Tensor, batch: SamplingBatch, positions_Nk: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [N, k] int64, q [N, k, V] fp32): each row's logits processed with its request's
+    temperature / top-k / top-p (one-hot argmax on greedy rows), sampled with the DRAFT stream of
+    (seed, position) at `positions_Nk` (the sequence position each token decides). k may be 1 for
+    a draft that proposes position by position (a Markov head)."""
+    q_NkV = probabilities(logits_NkV, batch.temperature.unsqueeze(1), batch.top_k.unsqueeze(1), batch.top_p.unsqueeze(1))
+    u_Nk = uniforms(batch.seed.unsqueeze(1), positions_Nk, Stream.DRAFT)
+    return sample_tokens(q_NkV, u_Nk), q_NkV
