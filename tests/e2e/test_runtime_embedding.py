@@ -2,7 +2,9 @@
 
 The "engine" owns its process groups, its target (HF, replicated) and its scheduler; it builds one
 DraftRuntime per DP rank and calls propose / verify / commit every step on every rank, idle ranks
-included. The reference is the single-process speculative decode of the same prompts.
+included. The reference is the single-process speculative decode of the same prompts, greedy or,
+with each request's own sampling and seed, sampled: the same seeds give the same tokens on one
+process and on two ranks of either layout.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from epdraft.config.sampling import SamplingParams
 from epdraft.errors import ParallelError
 from epdraft.parallel.spawn import run_local_ranks
 from epdraft.runtime import DraftRuntime
@@ -23,9 +26,12 @@ from tests.harness import run_ranks
 ASSETS = Path(__file__).resolve().parents[2] / "epdraft" / "assets"
 PROMPTS = [[ord(c) for c in s] for s in ("def main(argv):\n    ", "import os\nimport sys\n", "class Error(Exception", "    return ")]
 NEW_TOKENS = 24
+SAMPLED = [SamplingParams(temperature=1.0, seed=5), SamplingParams(), SamplingParams(temperature=0.7, top_k=5, seed=6),
+           SamplingParams(temperature=0.8, top_p=0.9, seed=7)]  # fmt: skip
 
 
-def _host_engine(rank: int, world: int, layout: str, ep: int, prompts_of_rank: list[list[int]]):
+def _host_engine(rank: int, world: int, layout: str, ep: int, prompts_of_rank: list[list[int]],
+                 sampling_of_rank: list[list[SamplingParams]] | None = None):
     from epdraft.config.parallel import parallel_config_from_dict
     from epdraft.models import read_draft_spec
     from epdraft.models.spec import check_against_target
@@ -59,12 +65,14 @@ def _host_engine(rank: int, world: int, layout: str, ep: int, prompts_of_rank: l
     assert runtime.layout.layout == layout and runtime.layout.ep_size == ep
 
     mine = {rank * 100 + i: p for i, p in enumerate(prompts_of_rank[rank])}
+    sampling = {rank * 100 + i: p for i, p in enumerate(sampling_of_rank[rank])} if sampling_of_rank else {}
     tokens: dict[int, list[int]] = {}
     accepts: dict[int, list[int]] = {}
     anchors: dict[int, int] = {}
     for rid, prompt in mine.items():
-        pre = target.prefill([rid], [prompt])
-        runtime.add_request(rid, pre.features)
+        params = sampling.get(rid, SamplingParams())
+        pre = target.prefill([rid], [prompt], [params])
+        runtime.add_request(rid, pre.features, params)
         anchors[rid] = int(pre.first_tokens[0])
         tokens[rid], accepts[rid] = [anchors[rid]], []
     step = 0
@@ -76,7 +84,8 @@ def _host_engine(rank: int, world: int, layout: str, ep: int, prompts_of_rank: l
         if running:
             ids = list(running)
             blocks = torch.stack([torch.cat([torch.tensor([running[r]]), proposal.drafts[r]]) for r in ids])
-            result = target.verify(ids, blocks)
+            probs = torch.stack([proposal.probs[r] for r in ids]) if proposal.probs else None
+            result = target.verify(ids, blocks, probs)
             runtime.commit(result)
             for i, r in enumerate(ids):
                 tokens[r] += result.emitted(i)
@@ -87,14 +96,16 @@ def _host_engine(rank: int, world: int, layout: str, ep: int, prompts_of_rank: l
     return {r: (tokens[r][:NEW_TOKENS], accepts[r]) for r in mine}
 
 
-def _reference(prompts: list[list[int]]):
+def _reference(prompts: list[list[int]], sampling: list[SamplingParams] | None = None):
     from epdraft.models import load_draft, read_draft_spec, speculative_generate
     from epdraft.target.hf import HFTarget
 
     spec = read_draft_spec(ASSETS / "tiny-draft")
     target = HFTarget.from_pretrained(ASSETS / "tiny-target", spec.target_layer_ids)
     draft = load_draft(ASSETS / "tiny-draft")
-    outs = [speculative_generate(target, draft, p, NEW_TOKENS, request_id=i) for i, p in enumerate(prompts)]
+    sampling = sampling or [SamplingParams()] * len(prompts)
+    outs = [speculative_generate(target, draft, p, NEW_TOKENS, request_id=i, sampling=s)
+            for i, (p, s) in enumerate(zip(prompts, sampling))]  # fmt: skip
     return [(o.tokens, o.accept_lens) for o in outs]
 
 
@@ -111,6 +122,24 @@ def test_host_loop_equals_single_process(layout, ep):
         assert accepts == ref_accepts
     accept_length = 1 + sum(sum(a) for _, a in got) / sum(len(a) for _, a in got)
     assert accept_length >= 2.0, f"the trained tiny pair commits only {accept_length:.2f} tokens per step"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout,ep", [("alltoall", 2), ("gather", 2)])
+def test_sampled_host_loop_equals_single_process(layout, ep):
+    """Sampled and greedy requests in one batch: each request's tokens equal its single-process
+    decode with the same seed (nothing depends on the rank, the batch or the layout)."""
+    split, sampling = [PROMPTS[:3], PROMPTS[3:]], [SAMPLED[:3], SAMPLED[3:]]
+    results = run_ranks(2, _host_engine, layout, ep, split, sampling, timeout_s=200)
+    reference = _reference(PROMPTS, SAMPLED)
+    got = list(results[0].values()) + list(results[1].values())
+    for (tokens, accepts), (ref_tokens, ref_accepts) in zip(got, reference, strict=True):
+        assert tokens == ref_tokens
+        assert accepts == ref_accepts
+    # the sampled requests really sampled: not the greedy decode of the same prompts
+    greedy = _reference(PROMPTS)
+    assert [g[0] for g in greedy][1] == got[1][0]  # the greedy request of the mix
+    assert sum(g[0] != t for g, (t, _) in zip(greedy, got)) == 3
 
 
 def _dies_mid_dispatch(rank: int, world: int, out: str) -> None:
