@@ -40,7 +40,7 @@ from epdraft.config.sampling import SamplingParams, parse_sampling
 from epdraft.dispatch import StepPlan
 from epdraft.errors import ConfigError
 from epdraft.kernels import launch
-from epdraft.sampling import seeded
+from epdraft.sampling import Readout, seeded
 
 HBM_BYTES_PER_S = 4.3e12  # H200 HBM3e, as reachable by a streaming kernel (device/H200.md)
 TENSOR_FLOPS = 700e12  # bf16 dense, sustained
@@ -237,7 +237,7 @@ def main(args: argparse.Namespace) -> int:
             pool.v[layer].normal_()
         pool.lengths.fill_(context)
         graphs, no_pdl_graphs = (StepGraphs(
-            lambda s, a, plan, sample: draft.step(pool, s, a, heads, plan, sample=sample), pad_slot=pool.pad_slot,
+            lambda s, a, plan, readout: draft.step(pool, s, a, heads, plan, readout=readout), pad_slot=pool.pad_slot,
             buckets=tuple(sorted(set(requests))), block_size=B, device=device,
         ) for _ in range(2))  # fmt: skip
         for n in requests:
@@ -259,10 +259,11 @@ def main(args: argparse.Namespace) -> int:
                 )
                 sampled = None
                 if sampling is not None:
-                    sampled = _time_ms(lambda: graphs.run(slot_list, anchor_list, plan, sample=True), args.steps,
+                    readout = Readout.of([sampling])
+                    sampled = _time_ms(lambda: graphs.run(slot_list, anchor_list, plan, readout=readout), args.steps,
                                        args.warmup)  # fmt: skip
-                    step = draft.step(pool, slots, anchors, heads, plan, sample=True)
-                    replay = graphs.run(slot_list, anchor_list, plan, sample=True)
+                    step = draft.step(pool, slots, anchors, heads, plan, readout=readout)
+                    replay = graphs.run(slot_list, anchor_list, plan, readout=readout)
                     same &= torch.equal(replay.drafts_NK, step.drafts_NK) and torch.equal(replay.probs_NKV, step.probs_NKV)
                 cache = None
                 if not args.no_cache_path:

@@ -31,7 +31,7 @@ from epdraft.models.attention import DFlashAttention, RMSNorm
 from epdraft.models.kv_pool import KVPool
 from epdraft.models.spec import DraftModelSpec
 from epdraft.models.step import DraftStep
-from epdraft.sampling import SamplingBatch, propose_tokens
+from epdraft.sampling import Readout, SamplingBatch, propose_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,7 +261,7 @@ class DFlashDraft(nn.Module):
         heads: TargetHeads,
         plan: StepPlan | None,
         *,
-        sample: bool = False,
+        readout: Readout = Readout.ARGMAX,
     ) -> DraftStep:
         """The draft step: the blocks [anchor, MASK x (B-1)] of N requests through every layer, each
         request's context read in place from `pool`, the FFN once over all N * B rows (N may be 0:
@@ -273,9 +273,10 @@ class DFlashDraft(nn.Module):
         on N only: a CUDA graph can hold it. The caller checks `DraftStep.finite_L` with
         `check_finite` once it reads the drafts anyway.
 
-        sample: draw each draft from its request's processed logits (the sampling its pool slot
-        holds; greedy slots take the argmax) and return the proposal distributions in
-        `DraftStep.probs_NKV`; False: argmax drafts for every request (an all-greedy step).
+        readout: `Readout.ARGMAX` (every request greedy): argmax drafts. Otherwise each draft is
+        drawn from its request's processed logits (the sampling its pool slot holds; greedy slots
+        take the argmax; `pool.readout(ids)` says which) and the proposal distributions come back
+        in `DraftStep.probs_NKV`.
         """
         B, device = self.spec.block_size, self.device
         ids_NB, x = self.embed_blocks(anchors_N, heads)
@@ -288,9 +289,9 @@ class DFlashDraft(nn.Module):
             else:
                 nonfinite_L[i] = ~torch.isfinite(x).all()
         sampling = None
-        if sample:
+        if readout is not Readout.ARGMAX:
             first_N = pool.lengths[slots_N].long() + 1  # the sequence position of each request's first draft
-            sampling = Sampling(pool.sampling_of(slots_N, greedy=False), first_N)
+            sampling = Sampling(pool.sampling_of(slots_N, readout), first_N)
         drafts_NK, confidence_NK, probs_NKV = self.read_out(self.draft_rows(self.norm(x)), anchors_N, heads, sampling)
         return DraftStep(drafts_NK, nonfinite_L == 0, confidence_NK, probs_NKV)
 

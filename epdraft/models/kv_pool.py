@@ -13,11 +13,13 @@ captured step gathers them by the same slot index as the context (`sampling_of`)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from epdraft.config.sampling import SamplingParams
 from epdraft.errors import RequestError
-from epdraft.sampling import SamplingBatch
+from epdraft.sampling import Readout, SamplingBatch
 
 GREEDY = SamplingParams()
 
@@ -56,7 +58,7 @@ class KVPool:
         self.lengths = torch.zeros(max_requests + 1, dtype=torch.int32, device=device)
         self._host_lengths = [0] * (max_requests + 1)
         self._params = [GREEDY] * (max_requests + 1)
-        self._sampling = SamplingBatch.of(self._params, device)  # row = slot; its `greedy` is unused
+        self._sampling = SamplingBatch.of(self._params, device)  # row = slot; its `readout` is unused
         self._slots: dict[int, int] = {}
         self._free = list(range(max_requests - 1, -1, -1))  # pop() hands out slot 0 first
 
@@ -82,9 +84,9 @@ class KVPool:
         """Committed context rows of a request."""
         return self._host_lengths[self.slot(request_id)]
 
-    def sampled(self, request_id: int) -> bool:
-        """Whether the request samples (temperature > 0) rather than decoding greedily."""
-        return not self._params[self.slot(request_id)].greedy
+    def readout(self, request_ids: Iterable[int]) -> Readout:
+        """What a step over these requests reads its drafts with (argmax when all are greedy)."""
+        return Readout.of(self._params[self.slot(r)] for r in request_ids)
 
     def admit(self, request_id: int, sampling: SamplingParams = GREEDY) -> int:
         """Give a new request an empty slot holding its `sampling` (a sampled request carries its
@@ -141,8 +143,8 @@ class KVPool:
         for name in ("temperature", "top_k", "top_p", "seed"):
             getattr(self._sampling, name)[slot] = getattr(row, name)[0]
 
-    def sampling_of(self, slots_N: torch.Tensor, *, greedy: bool) -> SamplingBatch:
-        """The sampling rows of `slots_N` (device, no host sync); `greedy`: whether the caller knows
-        every one of them is greedy."""
+    def sampling_of(self, slots_N: torch.Tensor, readout: Readout) -> SamplingBatch:
+        """The sampling rows of `slots_N` (device, no host sync), with the `readout` the caller
+        knows they need (`readout(request_ids)`)."""
         t = self._sampling
-        return SamplingBatch(t.temperature[slots_N], t.top_k[slots_N], t.top_p[slots_N], t.seed[slots_N], greedy)
+        return SamplingBatch(t.temperature[slots_N], t.top_k[slots_N], t.top_p[slots_N], t.seed[slots_N], readout)

@@ -72,7 +72,7 @@ def reference_step(
 ) -> DraftStep:
     """What `draft.step` returns for these requests, computed over their caches; N may be 0 (every
     FFN still runs once, with `plan`); `sampling`: the requests' rows for a sampled step (as
-    `draft.step(..., sample=True)` reads them from its pool). Raises NonFiniteError naming the
+    `draft.step(..., readout=...)` reads them from its pool). Raises NonFiniteError naming the
     first layer whose output went NaN or inf (one host read of the flags, after the readout)."""
     hidden, finite_L = reference_hidden(draft, caches, anchors_N, heads, plan)
     readout = None

@@ -10,7 +10,7 @@ import torch
 from epdraft.config.sampling import SamplingParams
 from epdraft.errors import ConfigError
 from epdraft.models.dflash import DFlashDraft, check_finite
-from epdraft.sampling import seeded
+from epdraft.sampling import Readout, seeded
 from epdraft.target.base import Target
 
 
@@ -61,7 +61,7 @@ def speculative_generate(
         anchor = pre.first_tokens[:1]
         tokens, accept_lens = [int(anchor[0])], []
         while len(tokens) < max_new_tokens:
-            step = draft.step(pool, slots_N, anchor.to(draft.device), target, None, sample=not params.greedy)
+            step = draft.step(pool, slots_N, anchor.to(draft.device), target, None, readout=Readout.of([params]))
             check_finite(step.finite_L, "one request's block", pool.k[0].dtype)
             drafts = step.drafts_NK
             block = torch.cat([anchor.to(drafts.device).unsqueeze(1), drafts], dim=1)

@@ -120,7 +120,7 @@ class DraftRuntime:
         self.graphs: StepGraphs | None = None
         if self.kernels.graphs:
             self.graphs = StepGraphs(
-                lambda slots, anchors, plan, sample: draft.step(self.pool, slots, anchors, heads, plan, sample=sample),
+                lambda slots, anchors, plan, readout: draft.step(self.pool, slots, anchors, heads, plan, readout=readout),
                 pad_slot=self.pool.pad_slot, buckets=default_buckets(max_requests), block_size=draft.block_size,
                 device=draft.device,
             )  # fmt: skip
@@ -263,15 +263,15 @@ class DraftRuntime:
             self.watchdog.progress(phase="draft propose")
             ids = list(anchors)
             slots = [self.pool.slot(r) for r in ids]
-            sample = any(self.pool.sampled(r) for r in ids)
+            readout = self.pool.readout(ids)
             with self._phase("draft_propose"):
                 if self.graphs is not None:
-                    out = self.graphs.run(slots, [anchors[r] for r in ids], plan, sample=sample)
+                    out = self.graphs.run(slots, [anchors[r] for r in ids], plan, readout=readout)
                 else:
                     device = self.draft.device
                     slots_N = torch.tensor(slots, dtype=torch.long, device=device)
                     anchors_N = torch.tensor([anchors[r] for r in ids], dtype=torch.long, device=device)
-                    out = self.draft.step(self.pool, slots_N, anchors_N, self.heads, plan, sample=sample)
+                    out = self.draft.step(self.pool, slots_N, anchors_N, self.heads, plan, readout=readout)
         except EpdraftError:
             raise
         except RuntimeError as e:

@@ -6,8 +6,8 @@ shape and enters the same collectives). Padding rows use the pool's pad slot and
 Inputs go through pinned host buffers into static device buffers with asynchronous copies: a
 replay never synchronizes the host. A bucket is captured the first time a step needs it, on every
 rank at the same step; the MoE layers are captured with a plan whose counts are the bucket's, so
-their collectives have the bucket's fixed shapes. A step with sampled requests replays its own
-graph of the bucket (the sampled readout); an all-greedy step keeps the argmax one.
+their collectives have the bucket's fixed shapes. Each readout (`Readout`: argmax, sampled,
+sampled with top-k / top-p) has its own graph per bucket: an all-greedy step keeps the argmax one.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from epdraft.dispatch import StepPlan
 from epdraft.errors import RequestError
 from epdraft.models.step import DraftStep
+from epdraft.sampling import Readout
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,7 @@ class _Captured:
 
 
 class StepGraphs:
-    """Captures and replays `step(slots_N, anchors_N, plan, sample) -> DraftStep` per bucket and
-    readout (`sample`: the sampled one, else argmax).
+    """Captures and replays `step(slots_N, anchors_N, plan, readout) -> DraftStep` per bucket and readout.
 
     step: the draft step over static inputs (`draft.step` bound to its pool and heads).
     pad_slot: the slot padding rows read. buckets: ascending request counts.
@@ -60,7 +60,7 @@ class StepGraphs:
 
     def __init__(
         self,
-        step: Callable[[torch.Tensor, torch.Tensor, StepPlan, bool], DraftStep],
+        step: Callable[[torch.Tensor, torch.Tensor, StepPlan, Readout], DraftStep],
         *,
         pad_slot: int,
         buckets: tuple[int, ...],
@@ -72,21 +72,23 @@ class StepGraphs:
         self.buckets = buckets
         self.block_size = block_size
         self.device = device
-        self._captured: dict[tuple[int, bool], _Captured] = {}
+        self._captured: dict[tuple[int, Readout], _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
     def bucket(self, plan: StepPlan) -> int:
         """The bucket every rank agrees on for this step: from the largest row count in the plan."""
         return bucket_for(self.buckets, -(-plan.max_count // self.block_size))
 
-    def run(self, slots: list[int], anchors: list[int], plan: StepPlan, *, sample: bool = False) -> DraftStep:
+    def run(
+        self, slots: list[int], anchors: list[int], plan: StepPlan, *, readout: Readout = Readout.ARGMAX
+    ) -> DraftStep:
         """The step's output for these len(slots) requests, on the device, from the graph of the
         bucket and readout (captured on first use); views of the graph's static outputs,
         overwritten by the next replay of that graph."""
         b = self.bucket(plan)
-        captured = self._captured.get((b, sample))
+        captured = self._captured.get((b, readout))
         if captured is None:
-            captured = self._capture(b, sample, plan, slots, anchors)
+            captured = self._capture(b, readout, plan, slots, anchors)
         n = len(slots)
         captured.copied.synchronize()  # the last step's input copy has read the pinned buffers
         captured.slots_host.fill_(self.pad_slot)
@@ -99,7 +101,7 @@ class StepGraphs:
         captured.graph.replay()
         return captured.output.first(n)
 
-    def _capture(self, b: int, sample: bool, plan: StepPlan, slots: list[int], anchors: list[int]) -> _Captured:
+    def _capture(self, b: int, readout: Readout, plan: StepPlan, slots: list[int], anchors: list[int]) -> _Captured:
         bucket_plan = StepPlan(step=plan.step, ranks=plan.ranks, counts=(b * self.block_size,) * len(plan.ranks))
         slots_host = torch.full((b,), self.pad_slot, dtype=torch.long, pin_memory=True)
         anchors_host = torch.zeros(b, dtype=torch.long, pin_memory=True)
@@ -111,13 +113,13 @@ class StepGraphs:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self.step(slots_d, anchors_d, bucket_plan, sample)
+            self.step(slots_d, anchors_d, bucket_plan, readout)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            output = self.step(slots_d, anchors_d, bucket_plan, sample)
-        log.info("captured the %s draft step for %d requests (bucket %d)", "sampled" if sample else "greedy", len(slots), b)
+            output = self.step(slots_d, anchors_d, bucket_plan, readout)
+        log.info("captured the draft step (%s readout) for %d requests (bucket %d)", readout.value, len(slots), b)
         captured = _Captured(graph, slots_host, anchors_host, slots_d, anchors_d, output)
         captured.copied.record()  # the copies above read the pinned buffers that `run` refills next
-        self._captured[b, sample] = captured
+        self._captured[b, readout] = captured
         return captured

@@ -7,7 +7,7 @@ graph can hold them, and an engine that verifies itself can call them as functio
 
 from epdraft.sampling.probabilities import greedy_probabilities, probabilities
 from epdraft.sampling.counter_rng import Stream, uniforms
-from epdraft.sampling.batch import SamplingBatch, request_seed, seeded
+from epdraft.sampling.batch import Readout, SamplingBatch, request_seed, seeded
 from epdraft.sampling.proposal import propose_tokens
 from epdraft.sampling.rejection import (
     Verdict,
@@ -19,6 +19,6 @@ from epdraft.sampling.rejection import (
 )
 
 __all__ = [
-    "SamplingBatch", "Stream", "Verdict", "greedy_accept", "greedy_probabilities", "probabilities", "propose_tokens", "rejection_sample",
+    "Readout", "SamplingBatch", "Stream", "Verdict", "greedy_accept", "greedy_probabilities", "probabilities", "propose_tokens", "rejection_sample",
     "request_seed", "sample_tokens", "seeded", "speculative_accept", "uniforms", "verify_drafts",
 ]  # fmt: skip

@@ -9,7 +9,8 @@ never on the batch or rank it lands in.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import enum
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -32,17 +33,38 @@ def seeded(params: SamplingParams, base_seed: int, index: int) -> SamplingParams
                           seed=request_seed(base_seed, index))  # fmt: skip
 
 
+class Readout(enum.Enum):
+    """What a batch's tokens need, known on the host (so a step takes the cheapest path, and a
+    CUDA graph is captured per kind): the argmax, a softmax at each row's temperature, or that
+    plus top-k / top-p filtering (a sort over the vocabulary)."""
+
+    ARGMAX = "argmax"  # every row greedy
+    SAMPLE = "sample"  # some row samples; no row has top-k or top-p
+    FILTERED = "filtered"  # some row samples with top-k or top-p
+
+    @classmethod
+    def of(cls, params: Iterable[SamplingParams]) -> Readout:
+        sampled = [p for p in params if not p.greedy]
+        if not sampled:
+            return cls.ARGMAX
+        return cls.FILTERED if any(p.top_k is not None or p.top_p < 1.0 for p in sampled) else cls.SAMPLE
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingBatch:
     """temperature [N] fp32 (0 = greedy), top_k [N] int64 (0 = none), top_p [N] fp32 (1 = none),
-    seed [N] int64; greedy: whether every row is greedy (known on the host, so a caller can take
-    the argmax path without reading the device)."""
+    seed [N] int64; readout: what the rows need, known on the host."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
     seed: torch.Tensor
-    greedy: bool
+    readout: Readout
+
+    @property
+    def greedy(self) -> bool:
+        """Every row greedy: the argmax rule, no probabilities."""
+        return self.readout is Readout.ARGMAX
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> SamplingBatch:
@@ -56,5 +78,5 @@ class SamplingBatch:
             top_k=torch.tensor([p.top_k or 0 for p in params], **i64),
             top_p=torch.tensor([p.top_p for p in params], **f32),
             seed=torch.tensor([p.seed or 0 for p in params], **i64),
-            greedy=all(p.greedy for p in params),
+            readout=Readout.of(params),
         )

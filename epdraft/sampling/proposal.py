@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from epdraft.sampling.batch import SamplingBatch
+from epdraft.sampling.batch import Readout, SamplingBatch
 from epdraft.sampling.counter_rng import Stream, uniforms
 from epdraft.sampling.probabilities import probabilities
 from epdraft.sampling.rejection import sample_tokens
@@ -18,6 +18,7 @@ def propose_tokens(
     temperature / top-k / top-p (one-hot argmax on greedy rows), sampled with the DRAFT stream of
     (seed, position) at `positions_Nk` (the sequence position each token decides). k may be 1 for
     a draft that proposes position by position (a Markov head)."""
-    q_NkV = probabilities(logits_NkV, batch.temperature.unsqueeze(1), batch.top_k.unsqueeze(1), batch.top_p.unsqueeze(1))
+    q_NkV = probabilities(logits_NkV, batch.temperature.unsqueeze(1), batch.top_k.unsqueeze(1), batch.top_p.unsqueeze(1),
+                          filtered=batch.readout is Readout.FILTERED)  # fmt: skip
     u_Nk = uniforms(batch.seed.unsqueeze(1), positions_Nk, Stream.DRAFT)
     return sample_tokens(q_NkV, u_Nk), q_NkV

@@ -1,5 +1,5 @@
-"""The sampled draft step (`step(..., sample=True)`): each draft drawn from its request's processed
-logits with counter-based randomness, and q = the distribution it was drawn from.
+"""The sampled draft step (`step(..., readout=SAMPLE | FILTERED)`): each draft drawn from its
+request's processed logits with counter-based randomness, and q = the distribution it was drawn from.
 
 Held against independent computations: q equals transformers-semantics probabilities of the
 logits the plain formula gives (for DSpark, of the Markov logits given the drafts actually
@@ -14,7 +14,7 @@ import torch
 
 from epdraft.config.sampling import SamplingParams
 from epdraft.models.reference import extend_caches, new_cache, reference_hidden, reference_step
-from epdraft.sampling import SamplingBatch, probabilities
+from epdraft.sampling import Readout, SamplingBatch, probabilities
 from tests.models.test_dflash import Heads, make_draft
 from tests.models.test_dspark import HEADS, make_dspark
 
@@ -59,7 +59,7 @@ def test_dflash_q_is_the_processed_logits_and_the_step_equals_the_reference(moe)
     draft, heads = make_draft(3, moe=moe), Heads()
     anchors = torch.tensor([7, 33, 2])
     pool, slots = pooled(draft)
-    step = draft.step(pool, slots, anchors, heads, None, sample=True)
+    step = draft.step(pool, slots, anchors, heads, None, readout=Readout.FILTERED)
     ref = reference_step(draft, caches(draft), anchors, heads, sampling=SamplingBatch.of(PARAMS))
     assert torch.equal(step.drafts_NK, ref.drafts_NK)
     torch.testing.assert_close(step.probs_NKV, ref.probs_NKV, rtol=1e-5, atol=1e-6)
@@ -84,7 +84,7 @@ def test_dspark_q_is_conditional_on_the_drafts_sampled_before(markov):
     draft, heads = make_dspark(1, markov=markov), Heads()
     anchors = torch.tensor([7, 33, 2])
     pool, slots = pooled(draft)
-    step = draft.step(pool, slots, anchors, heads, None, sample=True)
+    step = draft.step(pool, slots, anchors, heads, None, readout=Readout.FILTERED)
     ref = reference_step(draft, caches(draft), anchors, heads, sampling=SamplingBatch.of(PARAMS))
     assert torch.equal(step.drafts_NK, ref.drafts_NK)
     torch.testing.assert_close(step.probs_NKV, ref.probs_NKV, rtol=1e-5, atol=1e-6)
@@ -109,15 +109,19 @@ def test_a_requests_drafts_do_not_depend_on_its_batch_or_slot():
     draft, heads = make_draft(3), Heads()
     anchors = torch.tensor([7, 33, 2])
     pool, slots = pooled(draft)
-    together = draft.step(pool, slots, anchors, heads, None, sample=True)
+    together = draft.step(pool, slots, anchors, heads, None, readout=Readout.FILTERED)
     pool2, slots2 = pooled(draft, order=[2, 0, 1])
-    alone = draft.step(pool2, slots2[:1], anchors[:1], heads, None, sample=True)
+    # alone, its batch needs no top-k / top-p: the cheaper readout gives the same drafts and q
+    assert pool2.readout([0]) is Readout.SAMPLE and pool.readout([0, 1, 2]) is Readout.FILTERED
+    alone = draft.step(pool2, slots2[:1], anchors[:1], heads, None, readout=Readout.SAMPLE)
     assert slots2[0] != slots[0]
     assert torch.equal(alone.drafts_NK[0], together.drafts_NK[0])
+    # (q to rounding: the layers' GEMMs over 1 or 3 requests round differently)
+    torch.testing.assert_close(alone.probs_NKV[0], together.probs_NKV[0], rtol=1e-4, atol=1e-7)
     # another seed changes them
     other = [SamplingParams(temperature=1.0, seed=99), *PARAMS[1:]]
     pool3, slots3 = pooled(draft, params=other)
-    assert not torch.equal(draft.step(pool3, slots3, anchors, heads, None, sample=True).drafts_NK[0],
+    assert not torch.equal(draft.step(pool3, slots3, anchors, heads, None, readout=Readout.FILTERED).drafts_NK[0],
                            together.drafts_NK[0])  # fmt: skip
 
 
@@ -134,7 +138,7 @@ def test_draft_tokens_follow_q():
     for rid in range(n):
         pool.admit(rid, params[rid])
     draft.extend(pool, list(range(n)), [feats] * n)
-    step = draft.step(pool, torch.arange(n), torch.full((n,), 7), heads, None, sample=True)
+    step = draft.step(pool, torch.arange(n), torch.full((n,), 7), heads, None, readout=Readout.SAMPLE)
     q = step.probs_NKV[0, 0].double()
     assert torch.allclose(step.probs_NKV[:, 0].double(), q.expand(n, -1), atol=1e-6)
     counts = torch.bincount(step.drafts_NK[:, 0], minlength=q.numel()).double()
