@@ -157,12 +157,10 @@ def summarize(reports: list[RankReport], *, config: str, parallel_config: dict |
 def generations(reports: list[RankReport], n: int, *, tokenizer_dir: str | Path) -> list[Generation]:
     """The first `n` requests (by id) as generated, decoded with the target's tokenizer when it has
     one (a target saved without one shows token ids only: nothing is guessed)."""
-    from epdraft.target.prompts import TOKENIZER_FILES, load_tokenizer
+    from epdraft.target.prompts import saved_tokenizer
 
     outcomes = sorted((o for r in reports for o in r.requests), key=lambda o: o.request_id)[:n]
-    tokenizer = None
-    if any((Path(tokenizer_dir) / f).is_file() for f in TOKENIZER_FILES):
-        tokenizer = load_tokenizer(tokenizer_dir, "--show")
+    tokenizer = saved_tokenizer(tokenizer_dir, "--show")
     return [
         Generation(request_id=o.request_id, rank=o.rank, tokens=o.tokens, error=o.error,
                    text=tokenizer.decode(o.tokens) if tokenizer is not None and o.error is None else None)  # fmt: skip
