@@ -55,7 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     job = parser.add_argument_group("run job (without --draft the worker only checks the layout)")
     job.add_argument("--draft", help="draft export directory (config.json + safetensors)")
     job.add_argument("--target", help="HF target model directory")
-    job.add_argument("--prompts", help='JSON-lines prompts, {"input_ids": [...]} or {"text": "..."} per line')
+    job.add_argument("--prompts", help='JSON-lines prompts, {"input_ids": [...]} or {"text": "..."} per line, each '
+                     'optionally with its own "temperature", "top_k", "top_p", "seed" and an "id"')
     job.add_argument("--max-new-tokens", type=int, default=64)
     job.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     job.add_argument("--no-lossless-check", action="store_true", help="skip the target-only greedy reference decode")
