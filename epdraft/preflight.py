@@ -5,7 +5,9 @@ rank, under torchrun's traceback. Here it is one line naming the file, key, line
 exit 2, before torchrun runs. What is checked:
 
 - the runner's extra: transformers (`epdraft[hf]`) is installed;
-- flags: --max-new-tokens >= 1, --max-prompts >= 0, --json's folder exists and is writable;
+- flags: --max-new-tokens >= 1, --max-prompts >= 0, --json's and --output's folders exist and are
+  writable; the sampling flags (--temperature >= 0 and finite, --top-k >= 1, --top-p in (0, 1],
+  --seed in [0, 2**63));
 - the draft: its config.json as `epdraft check` and the ranks parse it, and every safetensors
   header (names, shapes, dtypes, truncation) through a load onto the meta device, which reads no
   weight; its weights' values are finite (read once, when the draft is under `WEIGHT_CHECK_BYTES`
@@ -15,7 +17,8 @@ exit 2, before torchrun runs. What is checked:
   prompt has text;
 - the draft against the target and the layout (what the ranks check before step 0);
 - the prompts: UTF-8 JSON lines of integer ids or text, not all refused, each within the
-  target's max_position_embeddings with --max-new-tokens;
+  target's max_position_embeddings with --max-new-tokens, each line's sampling fields in range;
+  under disaggregated placement, greedy only (its link carries no proposal probabilities);
 - the transport: `placement.transfer = 'mooncake'` imports Mooncake's engine here (its wheel and the
   system library it links, libibverbs).
 """
@@ -26,10 +29,12 @@ import argparse
 import dataclasses
 import importlib.util
 import logging
+import math
 import os
 from pathlib import Path
 from epdraft.config.hf import parse_ffn_config, read_config_json
 from epdraft.config.parallel import ParallelConfig, check_moe_split
+from epdraft.config.sampling import SamplingParams
 from epdraft.errors import ConfigError, LoadError, RequestError
 from epdraft.loading.header import FLOAT_DTYPES
 
@@ -42,7 +47,7 @@ from epdraft.loading.quantized import quantized_source
 from epdraft.loading.source import HeaderSource, checkpoint_weight_map
 from epdraft.models.spec import DraftModelSpec, check_against_target
 from epdraft.target.base import validate_prompt
-from epdraft.target.prompts import read_prompt_lines
+from epdraft.target.prompts import Prompt, read_prompt_file
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +82,13 @@ def check_run(args: argparse.Namespace, pc: ParallelConfig) -> None:
     except ConfigError as e:
         raise ConfigError(f"--draft {args.draft} on --target {args.target}: {e}") from None
     check_moe_split(pc, spec.ffn, source=str(Path(args.draft) / "config.json"))
-    check_prompts(args.prompts, target, max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts)
+    defaults = flag_sampling(args)
+    prompts = check_prompts(args.prompts, target, defaults=defaults, max_new_tokens=args.max_new_tokens,
+                            max_prompts=args.max_prompts)  # fmt: skip
+    if pc.placement.mode == "disaggregated":
+        from epdraft.worker.disagg_job import refuse_sampled
+
+        refuse_sampled(defaults, prompts, args.prompts)
     if args.check_weights or (args.check_weights is None and _total_bytes(weight_map) <= WEIGHT_CHECK_BYTES):
         check_finite(weight_map)
     elif args.check_weights is None:
@@ -96,22 +107,41 @@ def check_transport(pc: ParallelConfig) -> None:
 
 
 def check_run_flags(args: argparse.Namespace) -> None:
-    """The numeric flags and the --json destination (a result found unwritable after the run is lost)."""
+    """The numeric flags and the --json / --output destinations (a result found unwritable after
+    the run is lost)."""
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: expected an integer >= 1")
     if args.max_prompts < 0:
         raise ConfigError(f"--max-prompts {args.max_prompts}: expected an integer >= 0 (0 = every prompt)")
     if args.show < 0:
         raise ConfigError(f"--show {args.show}: expected an integer >= 0 (requests whose text is printed)")
-    if args.json:
-        out = Path(args.json)
-        folder = out.resolve().parent
-        if out.is_dir():
-            raise ConfigError(f"--json {out}: is a directory, expected a file path")
-        if not folder.is_dir():
-            raise ConfigError(f"--json {out}: folder {folder} does not exist")
-        if not os.access(folder, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-            raise ConfigError(f"--json {out}: not writable")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ConfigError(f"--temperature {args.temperature}: expected a finite number >= 0 (0 = greedy)")
+    if args.top_k is not None and args.top_k < 1:
+        raise ConfigError(f"--top-k {args.top_k}: expected an integer >= 1 (leave it out to keep every token)")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p {args.top_p}: expected a number in (0, 1] (1 = keep every token)")
+    if not 0 <= args.seed < 2**63:
+        raise ConfigError(f"--seed {args.seed}: expected an integer in [0, 2**63)")
+    for flag, path in (("--json", args.json), ("--output", args.output)):
+        if path:
+            _check_writable(flag, Path(path))
+
+
+def _check_writable(flag: str, out: Path) -> None:
+    folder = out.resolve().parent
+    if out.is_dir():
+        raise ConfigError(f"{flag} {out}: is a directory, expected a file path")
+    if not folder.is_dir():
+        raise ConfigError(f"{flag} {out}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ConfigError(f"{flag} {out}: not writable")
+
+
+def flag_sampling(args: argparse.Namespace) -> SamplingParams:
+    """Every prompt's default sampling, from the flags `check_run_flags` checked (no seed: --seed
+    is the run's, each prompt's own derives from it)."""
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
 def check_draft(path: str | Path) -> tuple[DraftModelSpec, dict[str, Path]]:
@@ -214,19 +244,21 @@ def _check_target_weights(target: TargetFacts, config_file: Path) -> None:
                 )
 
 
-def check_prompts(path: str | Path, target: TargetFacts, *, max_new_tokens: int, max_prompts: int) -> None:
-    """The prompts as the ranks will read them: refused when none is left to serve, or one is too long.
+def check_prompts(
+    path: str | Path, target: TargetFacts, *, defaults: SamplingParams, max_new_tokens: int, max_prompts: int
+) -> list[Prompt]:
+    """The prompts as the ranks will read them (the flags' sampling under each line's own): refused
+    when none is left to serve, or one is too long; returns them.
 
     A prompt the target would refuse (empty, id outside the vocabulary) is only warned about here:
     the run serves the others and lists it with its reason.
     """
-    lines = read_prompt_lines(path, tokenizer_dir=target.path)
-    if max_prompts:
-        lines = lines[:max_prompts]
+    lines = read_prompt_file(path, defaults=defaults, limit=max_prompts, tokenizer_dir=target.path)
     if not lines:
         raise ConfigError(f"--prompts {path}: no prompts, expected one JSON object per line")
     refused = []
-    for rid, (n, ids) in enumerate(lines):
+    for rid, prompt in enumerate(lines):
+        n, ids = prompt.line, prompt.ids
         try:
             validate_prompt(rid, ids, target.vocab_size)
         except RequestError as e:
@@ -246,6 +278,7 @@ def check_prompts(path: str | Path, target: TargetFacts, *, max_new_tokens: int,
     if refused:
         log.warning("%d of %d prompts will be refused, the others run: %s",
                     len(refused), len(lines), "; ".join(refused[:3]))  # fmt: skip
+    return lines
 
 
 def _local_dir(path: str | Path, flag: str) -> Path:

@@ -4,6 +4,9 @@ With no arguments: `configs/local-cpu-2.toml` (2 CPU ranks, experts sharded over
 target/draft pair shipped in `epdraft/assets/`, so it runs anywhere with no downloads. It starts the
 config's ranks through the launcher (torchrun), each serving its share of the prompts; rank 0 prints
 acceptance, throughput, the time split and the lossless check against the target's own greedy decode.
+With `--temperature` > 0 (or a prompts line's own `temperature`) requests sample instead, exact in
+distribution; the summary then adds each sampling setting's accept rate beside the rate its draft
+could expect. `--output` writes every prompt's tokens.
 
 A config of several nodes whose `--master-addr` is loopback (the default) can only run on this host,
 so without `--node-rank` every node's torchrun is started here (e.g. configs/local-cpu-disagg.toml:
@@ -37,12 +40,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompts",
         default=str(ASSETS / "prompts.jsonl"),
-        help='JSON-lines prompts, {"input_ids": [...]} or {"text": "..."} per line',
+        help='JSON-lines prompts, {"input_ids": [...]} or {"text": "..."} per line, each optionally with its own '
+        '"temperature", "top_k", "top_p", "seed" and an "id" (echoed in --output)',
     )
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     parser.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (default all)")
     parser.add_argument("--no-lossless-check", action="store_true", help="skip the target-only reference decode")
     parser.add_argument("--json", help="also write the summary as JSON to this path")
+    parser.add_argument("--output", metavar="FILE.jsonl",
+                        help="write every prompt's generated tokens here, one JSON line per prompt in the prompts "
+                             "file's order (its id, output_ids, text, verify steps, accepted drafts, its sampling; "
+                             "a refused prompt's error)")  # fmt: skip
+    sampling = parser.add_argument_group(
+        "sampling (every prompt's defaults; a prompts line's own temperature / top_k / top_p / seed override them)"
+    )
+    sampling.add_argument("--temperature", type=float, default=0.0,
+                          help="0 = greedy, checked lossless against the target's own greedy decode (default); "
+                               "> 0 samples, exact in distribution (colocated placement only)")  # fmt: skip
+    sampling.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default: all)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="keep the nucleus of this mass, in (0, 1] (default 1)")
+    sampling.add_argument("--seed", type=int, default=0,
+                          help="the run's seed: a prompt without its own seed gets one derived from this and its "
+                               "index, so a run repeats exactly (default 0)")  # fmt: skip
     parser.add_argument("--show", type=int, default=0, metavar="N",
                         help="print the first N requests' generated text (token ids when the target has no "
                         "tokenizer); also in --json")  # fmt: skip
@@ -85,6 +104,11 @@ def main(args: argparse.Namespace) -> int:
         worker_args.append("--no-lossless-check")
     if args.json:
         worker_args += ["--json", str(Path(args.json).resolve())]
+    if args.output:
+        worker_args += ["--output", str(Path(args.output).resolve())]
+    worker_args += ["--temperature", repr(args.temperature), "--top-p", repr(args.top_p), "--seed", str(args.seed)]
+    if args.top_k is not None:
+        worker_args += ["--top-k", str(args.top_k)]
     if args.show:
         worker_args += ["--show", str(args.show)]
     local_nodes = args.node_rank is None and pc.cluster.nnodes > 1 and is_loopback(args.master_addr)

@@ -196,6 +196,24 @@ RUN_CASES = [
     ("hang-timeout-over-timeout", lambda p: ["--set", "cluster.hang_timeout_s=90"],
      "cluster.hang_timeout_s = 90: expected seconds in [2, cluster.timeout_s = 60)"),
     ("json-missing-folder", _json_into_missing_folder, "/missing does not exist"),
+    ("output-missing-folder", lambda p: ["--output", str(p / "missing" / "out.jsonl")],
+     "--output " ),
+    ("output-is-a-directory", lambda p: ["--output", str(p)], "is a directory, expected a file path"),
+    ("temperature-negative", lambda p: ["--temperature", "-0.5"],
+     "--temperature -0.5: expected a finite number >= 0 (0 = greedy)"),
+    ("temperature-nan", lambda p: ["--temperature", "nan"], "--temperature nan: expected a finite number >= 0"),
+    ("top-k-0", lambda p: ["--top-k", "0"], "--top-k 0: expected an integer >= 1 (leave it out to keep every token)"),
+    ("top-p-over-1", lambda p: ["--top-p", "1.5"], "--top-p 1.5: expected a number in (0, 1] (1 = keep every token)"),
+    ("top-p-0", lambda p: ["--top-p", "0"], "--top-p 0.0: expected a number in (0, 1]"),
+    ("seed-negative", lambda p: ["--seed", "-1"], "--seed -1: expected an integer in [0, 2**63)"),
+    ("seed-too-big", lambda p: ["--seed", str(2**63)], f"--seed {2**63}: expected an integer in [0, 2**63)"),
+    ("disagg-temperature-flag", lambda p: ["configs/local-cpu-disagg.toml", "--temperature", "0.8"],
+     "--temperature 0.8 needs placement.mode = 'colocated' (a disaggregated draft's proposal probabilities do not "
+     "cross the link yet)"),
+    ("disagg-sampled-line", lambda p: ["configs/local-cpu-disagg.toml", "--prompts",
+                                       str(_prompts(p, [{"input_ids": PROMPTS[0]},
+                                                        {"input_ids": PROMPTS[1], "temperature": 0.8}]))],
+     "prompts.jsonl:2: temperature 0.8 needs placement.mode = 'colocated'"),
     ("json-is-a-directory", _json_is_dir, "is a directory, expected a file path"),
     ("log-level", lambda p: [], None),  # built specially below
     ("draft-missing", lambda p: ["--draft", str(p / "nope")], "--draft " ),
@@ -234,6 +252,12 @@ RUN_CASES = [
     ("prompts-float-id", _prompts_case({"input_ids": [1.0]}), "prompts.jsonl:1: input_ids[0] = 1.0 is not a token id"),
     ("prompts-string-ids", _prompts_case({"input_ids": "1 2"}), "input_ids must be a list of token ids, got str"),
     ("prompts-no-key", _prompts_case({"ids": [1]}), "prompts.jsonl:1: expected a JSON object with 'input_ids'"),
+    ("prompts-negative-temperature", _prompts_case({"input_ids": [1]}, {"input_ids": [2], "temperature": -1}),
+     "prompts.jsonl:2: temperature = -1: expected `float` >= 0.0"),
+    ("prompts-top-p-over-1", _prompts_case({"input_ids": [1], "top_p": 1.5}), "prompts.jsonl:1: top_p = 1.5"),
+    ("prompts-bool-temperature", _prompts_case({"input_ids": [1], "temperature": True}),
+     "prompts.jsonl:1: temperature = True: expected `float`, got `bool`"),
+    ("prompts-float-seed", _prompts_case({"input_ids": [1], "seed": 1.5}), "prompts.jsonl:1: seed = 1.5"),
     ("prompts-empty-file", _prompts_case(), "no prompts, expected one JSON object per line"),
     ("prompts-blank-lines", _prompts_case("", "  "), "no prompts, expected one JSON object per line"),
     ("prompts-all-refused", _prompts_case({"input_ids": []}, {"input_ids": [1, 99999]}),
@@ -263,6 +287,20 @@ def test_bad_run_input_is_one_line_before_any_rank(capsys, tmp_path, no_ranks, c
     assert line.startswith("epdraft run: ") and text in line, line
     if case == "draft-missing":
         assert line.endswith("no such directory (a local model directory is expected, never a hub id)")
+    if case == "output-missing-folder":
+        assert line.endswith("/missing does not exist")
+
+
+def test_a_sampled_run_passes_colocated_and_a_greedy_one_disaggregated(tmp_path):
+    from epdraft.config.parallel import load_parallel_config
+
+    lines = [{"input_ids": PROMPTS[0], "temperature": 0.8, "top_k": 5, "seed": 3}, {"input_ids": PROMPTS[1]}]
+    parser = cli.build_parser("run")
+    args = parser.parse_args(["run", "--prompts", str(_prompts(tmp_path, lines)), "--temperature", "0.5",
+                              "--output", str(tmp_path / "out.jsonl")])  # fmt: skip
+    check_run(args, load_parallel_config(args.config))
+    args = parser.parse_args(["run", "configs/local-cpu-disagg.toml", "--temperature", "0"])
+    check_run(args, load_parallel_config(args.config))
 
 
 def test_the_shipped_pair_passes_and_a_few_refused_prompts_only_warn(tmp_path, caplog):

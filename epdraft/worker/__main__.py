@@ -25,10 +25,12 @@ import os
 import signal
 import sys
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from epdraft.config.parallel import ParallelConfig, load_parallel_config
+from epdraft.config.sampling import SamplingParams, parse_sampling
 from epdraft.errors import EpdraftError, NonFiniteError, ParallelError
 from epdraft.parallel.groups import Groups, layout_table, resolve_backend
 from epdraft.parallel.health import check_all_reduce, health_check
@@ -53,11 +55,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     job = parser.add_argument_group("run job (without --draft the worker only checks the layout)")
     job.add_argument("--draft", help="draft export directory (config.json + safetensors)")
     job.add_argument("--target", help="HF target model directory")
-    job.add_argument("--prompts", help='JSON-lines prompts, {"input_ids": [...]} or {"text": "..."} per line')
+    job.add_argument("--prompts", help='JSON-lines prompts, {"input_ids": [...]} or {"text": "..."} per line, each '
+                     'optionally with its own "temperature", "top_k", "top_p", "seed" and an "id"')
     job.add_argument("--max-new-tokens", type=int, default=64)
     job.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     job.add_argument("--no-lossless-check", action="store_true", help="skip the target-only greedy reference decode")
     job.add_argument("--json", dest="json_out", help="rank 0 writes the summary here as JSON")
+    job.add_argument("--output", help="rank 0 writes one JSON line per prompt here, in the prompts file's order")
+    job.add_argument("--temperature", type=float, default=0.0, help="every prompt's default temperature (0 = greedy)")
+    job.add_argument("--top-k", type=int, default=None, help="every prompt's default top-k (default: none)")
+    job.add_argument("--top-p", type=float, default=1.0, help="every prompt's default top-p (default 1)")
+    job.add_argument("--seed", type=int, default=0, help="the run's seed, from which unseeded prompts' seeds derive")
     job.add_argument("--show", type=int, default=0, help="rank 0 prints the first N requests' generated text")
     job.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                      help="the draft's weights (default: bfloat16 on CUDA, float32 on CPU)")
@@ -69,6 +77,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.draft and not (args.target and args.prompts):
         parser.error("--draft needs --target and --prompts")
     return args
+
+
+def job_sampling(args: argparse.Namespace) -> tuple[SamplingParams, int]:
+    """(every prompt's default sampling, the run's seed) from the flags; ConfigError naming the field
+    for a value out of range (`epdraft run` refuses it earlier naming the flag; a worker started
+    some other way is checked here)."""
+    fields = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+    checked = parse_sampling(fields, "python -m epdraft.worker --temperature/--top-k/--top-p/--seed")
+    return msgspec.structs.replace(checked, seed=None), args.seed
 
 
 def init_distributed(pc: ParallelConfig) -> None:
@@ -137,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             job = None
             if args.draft:
+                defaults, run_seed = job_sampling(args)
                 job = RunJob(
                     draft=args.draft,
                     target=args.target,
@@ -145,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                     max_prompts=args.max_prompts,
                     check_lossless=not args.no_lossless_check,
                     json_out=args.json_out,
+                    output=args.output,
+                    sampling=defaults,
+                    seed=run_seed,
                     show=args.show,
                     dtype=args.dtype,
                     target_dtype=args.target_dtype,

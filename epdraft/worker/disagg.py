@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 import torch
 
+from epdraft.config.sampling import SamplingParams
 from epdraft.errors import ParallelError, RequestError
 from epdraft.runtime import DraftRuntime, PhaseTimers
 from epdraft.target.base import VerifyResult
@@ -44,7 +45,8 @@ class RemoteDrafter:
     Per step it sends the paired draft rank the step's TargetStep + payload (new requests' prompt
     features, the previous verify's committed rows, accept lengths and bonus tokens) and waits for
     the drafts. With no running request left it sends `done` and tells the loop to stop. The
-    transport is registered at the first step, sized for every prompt admitted by then.
+    transport is registered at the first step, sized for every prompt admitted by then. Greedy
+    requests only: its drafts come without proposal probabilities (`Drafted.probs` stays empty).
     """
 
     def __init__(
@@ -60,7 +62,8 @@ class RemoteDrafter:
         self._released: list[int] = []
         self._registered = False
 
-    def admit(self, request_id: int, prompt_features: torch.Tensor) -> None:
+    def admit(self, request_id: int, prompt_features: torch.Tensor, sampling: SamplingParams) -> None:
+        assert sampling.greedy, "the disaggregated job refuses sampled prompts before serving (refuse_sampled)"
         self._new[request_id] = prompt_features
 
     def _register(self) -> None:

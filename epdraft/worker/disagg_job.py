@@ -5,18 +5,24 @@ embedding and lm_head the draft reads through (`epdraft.target.heads.HFHeads`). 
 the prompts among themselves like colocated DP ranks do, pair with a draft rank
 (`epdraft.worker.pairing`) and talk to it over `placement.transfer`; rank 0 (a target rank) gathers
 every rank's report and prints the summary.
+
+Greedy only: the link carries drafts, not the proposal probabilities a sampled request's verify
+needs, so a run with a sampled prompt is refused before anything loads (`refuse_sampled`, which
+`epdraft run`'s preflight calls too).
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from epdraft.config.parallel import ParallelConfig
+from epdraft.config.sampling import SamplingParams
+from epdraft.errors import ConfigError
 from epdraft.models.spec import check_against_target
 from epdraft.parallel.address import is_loopback
 from epdraft.parallel.groups import Groups
@@ -24,6 +30,7 @@ from epdraft.parallel.watchdog import Watchdog
 from epdraft.runtime import DraftRuntime, PhaseTimers
 from epdraft.target.heads import HFHeads
 from epdraft.target.hf import HFTarget
+from epdraft.target.prompts import Prompt
 from epdraft.worker.disagg import RemoteDrafter, serve_draft_rank
 from epdraft.worker.job import RankSetup, RunJob, finish, pool_limits, rank_setup
 from epdraft.worker.pairing import PeerLink, paired_draft_rank, paired_target_ranks
@@ -50,10 +57,22 @@ def run_disaggregated_job(
     """
     watchdog.progress(phase="reading the draft config and prompts")
     setup = rank_setup(pc, job)
+    refuse_sampled(job.sampling, setup.prompts, job.prompts)
     watchdog.progress(phase="serving (disaggregated)")
     report, target, select = run_disaggregated(pc, groups, job, setup, watchdog)
     return finish(report, target, job, pc, config_path, setup.prompts, group=None, root=0, select=select,
                   watchdog=watchdog)  # fmt: skip
+
+
+def refuse_sampled(defaults: SamplingParams, prompts: Sequence[Prompt], path: str) -> None:
+    """Raise ConfigError naming `--temperature` (the run's default) or the first sampled prompt's
+    line: a disaggregated draft's proposal probabilities do not cross the link yet."""
+    why = "needs placement.mode = 'colocated' (a disaggregated draft's proposal probabilities do not cross the link yet)"
+    if not defaults.greedy:
+        raise ConfigError(f"--temperature {defaults.temperature:g} {why}")
+    sampled = next((p for p in prompts if not p.sampling.greedy), None)
+    if sampled is not None:
+        raise ConfigError(f"--prompts {path}:{sampled.line}: temperature {sampled.sampling.temperature:g} {why}")
 
 
 def run_disaggregated(
@@ -100,14 +119,14 @@ def _serve_target(
     pc: ParallelConfig,
     target: HFTarget,
     link: PeerLink,
-    prompts: list[list[int]],
+    prompts: list[Prompt],
     timers: PhaseTimers,
     rank: int,
     job: RunJob,
     watchdog: Watchdog,
 ) -> RankReport:
     dp_rank = pc.target_ranks.index(rank)
-    mine = assign_prompts([len(p) for p in prompts], job.max_new_tokens, pc.target_world_size)[dp_rank]
+    mine = assign_prompts([len(p.ids) for p in prompts], job.max_new_tokens, pc.target_world_size)[dp_rank]
     draft_rank = paired_draft_rank(pc, rank)
     log.info("target DP rank %d: %d of %d prompts, drafts from rank %d", dp_rank, len(mine), len(prompts), draft_rank)
     feature_dim = len(target.feature_layer_ids) * target.hidden_size
@@ -132,7 +151,7 @@ def _serve_draft(
     targets = paired_target_ranks(pc, rank)
     log.info("draft DP rank %d serves target ranks %s", groups.dp_rank, list(targets))
     prompts = setup.prompts
-    per_target = assign_prompts([len(p) for p in prompts], job.max_new_tokens, pc.target_world_size)
+    per_target = assign_prompts([len(p.ids) for p in prompts], job.max_new_tokens, pc.target_world_size)
     mine = [i for t in targets for i in per_target[pc.target_ranks.index(t)]]
     runtime = DraftRuntime.from_config(
         pc, job.draft, heads, groups=groups, spec=setup.spec, dtype=setup.dtype, device=heads.device, timers=timers,

@@ -20,14 +20,17 @@ import torch
 import torch.distributed as dist
 
 from epdraft.config.parallel import ParallelConfig
+from epdraft.config.sampling import SamplingParams
 from epdraft.layers.step_kernels import default_dtype
 from epdraft.models.checkpoint import read_draft_spec
 from epdraft.models.spec import DraftModelSpec, check_against_target
 from epdraft.parallel.groups import Groups, resolve_backend
 from epdraft.parallel.watchdog import Watchdog
 from epdraft.runtime import DraftRuntime, PhaseTimers
+from epdraft.sampling.batch import seeded
 from epdraft.target.hf import HFTarget
-from epdraft.target.prompts import read_prompts
+from epdraft.target.prompts import Prompt, read_prompt_file
+from epdraft.worker.output import write_outputs
 from epdraft.worker.progress import Progress
 from epdraft.worker.serve import LocalDrafter, assign_prompts, greedy_reference, serve_requests
 from epdraft.worker.summary import RankReport, format_summary, generations, summarize
@@ -42,6 +45,9 @@ class RunJob(msgspec.Struct, frozen=True, kw_only=True):
     on CPU. target_dtype: the target's weights (float32 by default: the standalone target checks
     losslessness against its own greedy decode, which bf16 batched verify does not reproduce bit
     for bit). show: rank 0 prints (and writes) the first `show` requests' generations.
+    output: rank 0 writes every prompt's tokens here (JSON lines, the prompts file's order).
+    sampling: every prompt's defaults (a prompts line's own fields override them; no seed: see
+    `seed`). seed: the run's seed; a prompt without its own gets `seeded(..., seed, its index)`.
     master_addr: the host of node 0 the launcher gave torchrun (`--master-addr`); loopback means
     every rank is on this host, so paired ranks reach each other there (disaggregated placement).
     """
@@ -53,7 +59,10 @@ class RunJob(msgspec.Struct, frozen=True, kw_only=True):
     max_prompts: int = 0
     check_lossless: bool = True
     json_out: str | None = None
+    output: str | None = None
     show: int = 0
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     target_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     master_addr: str = "127.0.0.1"
@@ -61,10 +70,13 @@ class RunJob(msgspec.Struct, frozen=True, kw_only=True):
 
 @dataclasses.dataclass(frozen=True)
 class RankSetup:
-    """What every rank of a run derives once, before loading anything."""
+    """What every rank of a run derives once, before loading anything.
+
+    prompts: the run's prompts (request id = index), each with its seed resolved (`run_prompts`).
+    """
 
     spec: DraftModelSpec
-    prompts: list[list[int]]
+    prompts: list[Prompt]
     device: torch.device
     dtype: torch.dtype
     target_dtype: torch.dtype
@@ -76,17 +88,25 @@ def rank_setup(pc: ParallelConfig, job: RunJob) -> RankSetup:
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     return RankSetup(
         spec=read_draft_spec(job.draft),
-        prompts=read_prompts(job.prompts, job.max_prompts, tokenizer_dir=job.target),
+        prompts=run_prompts(job),
         device=device,
         dtype=getattr(torch, job.dtype) if job.dtype else default_dtype(device),
         target_dtype=getattr(torch, job.target_dtype),
     )
 
 
-def pool_limits(pc: ParallelConfig, job: RunJob, prompts: list[list[int]], mine: list[int], block_size: int) -> dict:
+def run_prompts(job: RunJob) -> list[Prompt]:
+    """The job's prompts (the first `max_prompts`), each sampled as `seeded(its params, job.seed,
+    its index)`: the same on every rank, so the target's and the draft's sides of a request draw
+    the same stream wherever it runs."""
+    prompts = read_prompt_file(job.prompts, defaults=job.sampling, limit=job.max_prompts, tokenizer_dir=job.target)
+    return [msgspec.structs.replace(p, sampling=seeded(p.sampling, job.seed, i)) for i, p in enumerate(prompts)]
+
+
+def pool_limits(pc: ParallelConfig, job: RunJob, prompts: list[Prompt], mine: list[int], block_size: int) -> dict:
     """The KV pool a rank serving prompts `mine` needs: the config's limits, or what the run needs
     (every prompt of the rank at once, each to its prompt + max_new_tokens + one block of rows)."""
-    longest = max((len(prompts[i]) for i in mine), default=0)
+    longest = max((len(prompts[i].ids) for i in mine), default=0)
     return {
         "max_requests": pc.draft.max_requests or max(1, len(mine)),
         "max_context": pc.draft.max_context or longest + job.max_new_tokens + block_size,
@@ -115,7 +135,7 @@ def run_job(
     )
     timers = PhaseTimers(setup.device)
     prompts = setup.prompts
-    mine = assign_prompts([len(p) for p in prompts], job.max_new_tokens, groups.dp_size)[groups.dp_rank]
+    mine = assign_prompts([len(p.ids) for p in prompts], job.max_new_tokens, groups.dp_size)[groups.dp_rank]
     display.phase("loading the draft")
     watchdog.progress(phase="loading the draft")
     runtime = DraftRuntime.from_config(
@@ -149,7 +169,7 @@ def finish(
     job: RunJob,
     pc: ParallelConfig,
     config_path: str,
-    prompts: list[list[int]],
+    prompts: list[Prompt],
     *,
     group: dist.ProcessGroup | None,
     root: int,
@@ -157,18 +177,20 @@ def finish(
     watchdog: Watchdog,
     display: Progress | None = None,
 ) -> str | None:
-    """Attach the target's own greedy decodes (on ranks holding the target), then report to `root`."""
+    """Attach the target's own greedy decodes to the greedy requests (on ranks holding the target),
+    then report to `root`. A sampled request is not compared: its tokens are one draw of the
+    target's distribution (exact in distribution, which tests/e2e/test_sampling_exact.py checks)."""
     display = display if display is not None else Progress(None)
     watchdog.progress(phase="lossless check")
     if target is not None and job.check_lossless:
-        checked = [o for o in report.requests if o.error is None]
-        display.phase("lossless check (this rank's requests)", len(checked), "requests")
+        checked = [o for o in report.requests if o.error is None and o.sampling.greedy]
+        display.phase("lossless check (this rank's greedy requests)", len(checked), "requests")
         for n, o in enumerate(checked):
-            o.reference_tokens = greedy_reference(target.model, prompts[o.request_id], job.max_new_tokens)
+            o.reference_tokens = greedy_reference(target.model, prompts[o.request_id].ids, job.max_new_tokens)
             display.update(n + 1)
     display.close()
     watchdog.progress(phase="reporting to rank 0")
-    return report_to_root(report, job, pc, config_path, group=group, root=root, select=select)
+    return report_to_root(report, job, pc, config_path, prompts, group=group, root=root, select=select)
 
 
 def report_to_root(
@@ -176,13 +198,15 @@ def report_to_root(
     job: RunJob,
     pc: ParallelConfig,
     config_path: str,
+    prompts: list[Prompt],
     *,
     group: dist.ProcessGroup | None,
     root: int,
     select: Callable[[list[RankReport]], list[RankReport]],
 ) -> str | None:
     """Gather every rank's report on `root` (a global rank of `group`), which prints the summary
-    (and writes it as JSON when asked); `select` picks and merges the reports that make it.
+    (and writes it as JSON, and every prompt's output, when asked); `select` picks and merges the
+    reports that make it.
 
     Returns, on the root, why the run failed: the lossless check, or nothing generated (every
     request refused is no success); None otherwise.
@@ -199,6 +223,8 @@ def report_to_root(
     print(format_summary(summary), flush=True)
     if job.json_out:
         Path(job.json_out).write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
+    if job.output:
+        write_outputs(job.output, prompts, [o for r in reports for o in r.requests], tokenizer_dir=job.target)
     if summary.lossless is False:
         return f"lossless check failed: {summary.first_mismatch} from the target's own greedy decode"
     if summary.generated_tokens == 0:

@@ -10,6 +10,11 @@ placement changes, behind `Drafter`:
 - disaggregated (`epdraft.worker.disagg.RemoteDrafter`): the paired draft rank, over the link.
 
 Prompts are split over the ranks the way a load-balancing scheduler would (uneven counts).
+
+Each request carries its SamplingParams (seed resolved by the job): the target prefills and
+verifies with them, the drafter admits with them, and a step with a sampled request passes the
+drafts' proposal probabilities to verify, which accepts each draft with probability
+min(1, p/q) (DESIGN.md, Sampling).
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from typing import Protocol
 
 import torch
 
+from epdraft.config.sampling import SamplingParams
 from epdraft.errors import RequestError
 from epdraft.parallel.watchdog import Watchdog
 from epdraft.runtime import DraftRuntime, PhaseTimers
 from epdraft.target.base import Target, VerifyResult
 from epdraft.target.hf import cache_kwarg
+from epdraft.target.prompts import Prompt
 from epdraft.worker.progress import Progress
 from epdraft.worker.summary import RankReport, RequestOutcome
 
@@ -37,11 +44,15 @@ log = logging.getLogger(__name__)
 class Drafted:
     """One step's drafts (request id -> [B-1] int64), or `stop` when the loop must end.
 
+    probs: request id -> [B-1, V] fp32, the proposal probabilities the drafts were sampled from;
+    empty when every request of the step is greedy (and always from a RemoteDrafter, whose link
+    carries none: a disaggregated run is greedy only).
     progress: (requests running, ranks with requests, tokens so far) over every rank, when the
     drafter knows them (the colocated step sync gathers them), for the progress line.
     """
 
     drafts: dict[int, torch.Tensor]
+    probs: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     stop: bool = False
     progress: tuple[int, int, int] | None = None
 
@@ -49,8 +60,9 @@ class Drafted:
 class Drafter(Protocol):
     """Where the serving loop gets its drafts from; each method is called in the loop's order."""
 
-    def admit(self, request_id: int, prompt_features: torch.Tensor) -> None:
-        """A prefilled request joins: its prompt rows' target features [L, K*H]."""
+    def admit(self, request_id: int, prompt_features: torch.Tensor, sampling: SamplingParams) -> None:
+        """A prefilled request joins: its prompt rows' target features [L, K*H], and how it samples
+        (the same params, seed included, the target prefilled it with)."""
         ...
 
     def propose(self, step: int, anchors: Mapping[int, int], tokens_so_far: int) -> Drafted:
@@ -72,8 +84,8 @@ class LocalDrafter:
     def __init__(self, runtime: DraftRuntime):
         self.runtime = runtime
 
-    def admit(self, request_id: int, prompt_features: torch.Tensor) -> None:
-        self.runtime.add_request(request_id, prompt_features)
+    def admit(self, request_id: int, prompt_features: torch.Tensor, sampling: SamplingParams) -> None:
+        self.runtime.add_request(request_id, prompt_features, sampling=sampling)
 
     def propose(self, step: int, anchors: Mapping[int, int], tokens_so_far: int) -> Drafted:
         proposal = self.runtime.propose(step, anchors, extras=(len(anchors), tokens_so_far))
@@ -81,7 +93,7 @@ class LocalDrafter:
             return Drafted({}, stop=True)
         extras = proposal.plan.extras
         progress = (sum(e[0] for e in extras), sum(1 for e in extras if e[0]), sum(e[1] for e in extras))
-        return Drafted(proposal.drafts, progress=progress)
+        return Drafted(proposal.drafts, probs=proposal.probs, progress=progress)
 
     def commit(self, result: VerifyResult) -> None:
         self.runtime.commit(result)
@@ -92,9 +104,14 @@ class LocalDrafter:
 
 @dataclasses.dataclass
 class _Active:
+    """A running request. tests / expected_accepts: sums of the verify results' `tested` and
+    `expected_accepts`, None once a step did not report them (unknown stays unknown)."""
+
     tokens: list[int]
     accept_lens: list[int]
     anchor: int
+    tests: int | None = 0
+    expected_accepts: float | None = 0.0
 
 
 def assign_prompts(prompt_lens: Sequence[int], max_new_tokens: int, num_ranks: int) -> list[list[int]]:
@@ -114,7 +131,7 @@ def assign_prompts(prompt_lens: Sequence[int], max_new_tokens: int, num_ranks: i
 def serve_requests(
     target: Target,
     drafter: Drafter,
-    prompts: dict[int, list[int]],
+    prompts: dict[int, Prompt],
     *,
     rank: int,
     max_new_tokens: int,
@@ -124,7 +141,8 @@ def serve_requests(
     total_tokens: int | None = None,
     progress_every_s: float = 2.0,
 ) -> RankReport:
-    """Generate `max_new_tokens` for each of this rank's prompts (request id -> token ids).
+    """Generate `max_new_tokens` for each of this rank's prompts (request id -> its prompt, sampling
+    seeded).
 
     A request the target refuses (empty prompt, id outside the vocabulary) is reported with its
     error; the others still run. Every target rank calls this, an idle one with `prompts = {}`.
@@ -140,15 +158,15 @@ def serve_requests(
     active: dict[int, _Active] = {}
     for n, (rid, prompt) in enumerate(prompts.items()):
         display.update(n)
-        outcomes[rid] = RequestOutcome(request_id=rid, rank=rank)
+        outcomes[rid] = RequestOutcome(request_id=rid, rank=rank, sampling=prompt.sampling)
         try:
             with timers.phase("prefill"):
-                pre = target.prefill([rid], [prompt])
+                pre = target.prefill([rid], [prompt.ids], sampling=[prompt.sampling])
         except RequestError as e:
             log.warning("%s", e)
             outcomes[rid].error = str(e)
             continue
-        drafter.admit(rid, pre.features)
+        drafter.admit(rid, pre.features, prompt.sampling)
         first = int(pre.first_tokens[0])
         active[rid] = _Active(tokens=[first], accept_lens=[], anchor=first)
 
@@ -165,15 +183,22 @@ def serve_requests(
             blocks_NB = torch.stack(
                 [torch.cat([torch.tensor([active[r].anchor]), drafted.drafts[r].cpu()]) for r in running]
             )
+            # Every running request has probabilities when any has (the step's batch samples).
+            draft_probs_NKV = torch.stack([drafted.probs[r] for r in running]) if drafted.probs else None
             note(step, "verify")
             with timers.phase("verify"):
-                result = target.verify(running, blocks_NB)
+                result = target.verify(running, blocks_NB, draft_probs_NKV=draft_probs_NKV)
             drafter.commit(result)
+            tested = result.tested.tolist() if result.tested is not None else None
+            expected = result.expected_accepts.tolist() if result.expected_accepts is not None else None
             for i, rid in enumerate(running):
                 a = active[rid]
                 a.tokens += result.emitted(i)
                 a.accept_lens.append(int(result.accept_lens[i]))
                 a.anchor = int(result.bonus[i])
+                a.tests = a.tests + tested[i] if a.tests is not None and tested is not None else None
+                a.expected_accepts = (a.expected_accepts + expected[i]
+                                      if a.expected_accepts is not None and expected is not None else None)  # fmt: skip
                 if len(a.tokens) >= max_new_tokens:
                     target.release(rid)
                     drafter.release(rid)
@@ -192,6 +217,7 @@ def serve_requests(
     for rid, a in active.items():
         outcomes[rid].tokens = a.tokens[:max_new_tokens]
         outcomes[rid].accept_lens = a.accept_lens
+        outcomes[rid].tests, outcomes[rid].expected_accepts = a.tests, a.expected_accepts
     return RankReport(
         rank=rank, steps=step, loop_seconds=loop_seconds, phases=timers.as_dict(), requests=list(outcomes.values())
     )

@@ -1,10 +1,18 @@
-"""The run summary rank 0 prints: acceptance, throughput, where the time went, and the lossless check."""
+"""The run summary rank 0 prints: acceptance, throughput, where the time went, and the lossless check.
+
+When any request samples, acceptance is also shown per sampling setting, with the accept rate the
+draft could expect (sum_x min(p, q) per accept test, from the target's verify): a low accept
+length with an expected rate as low is the draft's; a measured rate well below the expected one
+points at the sampler.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import msgspec
+
+from epdraft.config.sampling import SamplingParams
 
 PHASES = (
     ("prefill", "target prefill"),
@@ -20,12 +28,21 @@ PHASES = (
 
 
 class RequestOutcome(msgspec.Struct, kw_only=True):
-    """One request's result, as gathered to rank 0."""
+    """One request's result, as gathered to rank 0.
+
+    sampling: how it sampled (seed resolved). tests: accept tests its verify steps ran (accepted
+    drafts + the first rejected, at most K a step); expected_accepts: the sum over those tests of
+    sum_x min(p, q), the accepts its draft could expect; both None when the target did not report
+    them. reference_tokens: the target's own greedy decode (greedy requests, when checked).
+    """
 
     request_id: int
     rank: int
+    sampling: SamplingParams = SamplingParams()
     tokens: list[int] = []
     accept_lens: list[int] = []
+    tests: int | None = None
+    expected_accepts: float | None = None
     error: str | None = None
     reference_tokens: list[int] | None = None
 
@@ -57,11 +74,30 @@ class Generation(msgspec.Struct, kw_only=True):
     error: str | None = None
 
 
+class SamplingRow(msgspec.Struct, kw_only=True):
+    """Acceptance of the served requests of one sampling setting (`sampling_label`).
+
+    accept_rate: accepted drafts / accept tests; expected_rate: expected accepts / accept tests
+    (None when the target reported no tests for these requests).
+    """
+
+    label: str
+    requests: int
+    verify_steps: int
+    accept_length: float
+    tests: int | None
+    accept_rate: float | None
+    expected_rate: float | None
+
+
 class RunSummary(msgspec.Struct, kw_only=True):
     """What `epdraft run` reports (also written as JSON with --json).
 
     `accept_length` is SGLang's: tokens committed per verify step, the bonus token included (so 1.0
     means no draft was ever accepted); `accepted_drafts_per_step` is the same minus one.
+    `lossless` is about the greedy requests only (`lossless_requests` compared); the
+    `sampled_requests` served are exact in distribution, not compared token by token.
+    `per_sampling`: one row per sampling setting, when any request sampled (else empty).
     """
 
     config: str
@@ -83,6 +119,9 @@ class RunSummary(msgspec.Struct, kw_only=True):
     phase_seconds: dict[str, float]
     lossless: bool | None
     first_mismatch: str | None
+    lossless_requests: int = 0
+    sampled_requests: int = 0
+    per_sampling: list[SamplingRow] = []
     shown: list[Generation] = []
 
 
@@ -101,6 +140,43 @@ def derive_phases(raw: dict[str, float]) -> dict[str, float]:
         "moe_experts": moe - dispatch - combine,
         "moe_combine": combine,
     }
+
+
+def sampling_label(params: SamplingParams) -> str:
+    """A setting's name in the summary, without the seed: "greedy", "T=0.7 top_k=5 top_p=0.9"."""
+    if params.greedy:
+        return "greedy"
+    parts = [f"T={params.temperature:g}"]
+    if params.top_k is not None:
+        parts.append(f"top_k={params.top_k}")
+    if params.top_p < 1.0:
+        parts.append(f"top_p={params.top_p:g}")
+    return " ".join(parts)
+
+
+def per_sampling(served: list[RequestOutcome]) -> list[SamplingRow]:
+    """One row per sampling setting of the served requests, greedy first, then by label."""
+    groups: dict[str, list[RequestOutcome]] = {}
+    for o in served:
+        groups.setdefault(sampling_label(o.sampling), []).append(o)
+    rows = []
+    for label in sorted(groups, key=lambda k: (k != "greedy", k)):
+        outcomes = groups[label]
+        accepts = [a for o in outcomes for a in o.accept_lens]
+        known = [o for o in outcomes if o.tests is not None]
+        tests = sum(o.tests for o in known) if known else None
+        accepted = sum(a for o in known for a in o.accept_lens)
+        expected = [o.expected_accepts for o in known if o.expected_accepts is not None]
+        rows.append(SamplingRow(
+            label=label,
+            requests=len(outcomes),
+            verify_steps=len(accepts),
+            accept_length=1 + sum(accepts) / len(accepts) if accepts else 0.0,
+            tests=tests,
+            accept_rate=accepted / tests if tests else None,
+            expected_rate=sum(expected) / tests if tests and len(expected) == len(known) else None,
+        ))  # fmt: skip
+    return rows
 
 
 def summarize(reports: list[RankReport], *, config: str, parallel_config: dict | None = None) -> RunSummary:
@@ -131,6 +207,7 @@ def summarize(reports: list[RankReport], *, config: str, parallel_config: dict |
                 lossless, mismatch = False, f"request {o.request_id} (rank {o.rank}) differs at generated position {pos}"
                 break
     mean_acc = sum(accepts) / len(accepts) if accepts else 0.0
+    sampled = [o for o in ok if not o.sampling.greedy]
     return RunSummary(
         config=config,
         parallel_config=parallel_config or {},
@@ -151,23 +228,66 @@ def summarize(reports: list[RankReport], *, config: str, parallel_config: dict |
         phase_seconds={k: sum(p[k] for p in phases) / len(phases) for k, _ in PHASES},
         lossless=lossless,
         first_mismatch=mismatch,
+        lossless_requests=len(checked),
+        sampled_requests=len(sampled),
+        per_sampling=per_sampling(ok) if sampled else [],
     )
 
 
 def generations(reports: list[RankReport], n: int, *, tokenizer_dir: str | Path) -> list[Generation]:
     """The first `n` requests (by id) as generated, decoded with the target's tokenizer when it has
     one (a target saved without one shows token ids only: nothing is guessed)."""
-    from epdraft.target.prompts import TOKENIZER_FILES, load_tokenizer
+    from epdraft.target.prompts import saved_tokenizer
 
     outcomes = sorted((o for r in reports for o in r.requests), key=lambda o: o.request_id)[:n]
-    tokenizer = None
-    if any((Path(tokenizer_dir) / f).is_file() for f in TOKENIZER_FILES):
-        tokenizer = load_tokenizer(tokenizer_dir, "--show")
+    tokenizer = saved_tokenizer(tokenizer_dir, "--show")
     return [
         Generation(request_id=o.request_id, rank=o.rank, tokens=o.tokens, error=o.error,
                    text=tokenizer.decode(o.tokens) if tokenizer is not None and o.error is None else None)  # fmt: skip
         for o in outcomes
     ]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _sampling_lines(s: RunSummary) -> list[str]:
+    """The per-setting table (none when every request was greedy)."""
+    if not s.per_sampling:
+        return []
+    lines = ["  per sampling setting (rate: accepted drafts per accept test; expected: the rate the draft's "
+             "proposals could get, sum_x min(p, q) per test):"]  # fmt: skip
+    for row in s.per_sampling:
+        rates = "rates not reported by the target"
+        if row.accept_rate is not None:
+            expected = f"{row.expected_rate:.2f}" if row.expected_rate is not None else "not reported"
+            rates = f"rate {row.accept_rate:.2f}, expected {expected} (over {row.tests} tests)"
+        lines.append(f"    {row.label:<24}{_count(row.requests, 'request'):>14}   accept length "
+                     f"{row.accept_length:.2f}, {rates}")  # fmt: skip
+    return lines
+
+
+def _lossless_line(s: RunSummary) -> str:
+    """The verdict on the greedy requests, and what holds for the sampled ones instead."""
+    if s.sampled_requests == 0:
+        if s.lossless is None:
+            return "lossless: not checked"
+        return ("lossless: OK (every request equals the target's own greedy decode)" if s.lossless
+                else f"lossless: FAIL: {s.first_mismatch}")  # fmt: skip
+    sampled = (f"{_count(s.sampled_requests, 'sampled request')} "
+               f"{'is' if s.sampled_requests == 1 else 'are'} exact in distribution by construction "
+               "(tests/e2e/test_sampling_exact.py checks it), not compared token by token")  # fmt: skip
+    greedy = s.requests - len(s.failed_requests) - s.sampled_requests
+    if s.lossless is True:
+        verdict = f"OK for the {_count(s.lossless_requests, 'greedy request')}"
+    elif s.lossless is False:
+        verdict = f"FAIL: {s.first_mismatch}"
+    elif greedy:
+        verdict = f"not checked for the {_count(greedy, 'greedy request')}"
+    else:
+        verdict = "no greedy request to check"
+    return f"lossless: {verdict}; {sampled}"
 
 
 def format_summary(s: RunSummary) -> str:
@@ -184,6 +304,7 @@ def format_summary(s: RunSummary) -> str:
         f"accept length: {s.accept_length:.2f} tokens per verify step incl. the bonus "
         f"({s.accepted_drafts_per_step:.2f} drafts accepted), over {s.verify_steps} verify steps",
         "  per rank: " + ", ".join(f"{r}: {a:.2f}" for r, a in sorted(s.accept_length_per_rank.items())),
+        *_sampling_lines(s),
         f"throughput: {s.generated_tokens} tokens in {s.seconds:.2f} s = {s.tokens_per_s:.1f} tok/s "
         f"({s.steps} global steps)",
         "time split (mean over ranks):",
@@ -194,11 +315,7 @@ def format_summary(s: RunSummary) -> str:
         if sec == 0.0:  # a phase this placement does not have (transfer when colocated)
             continue
         lines.append(f"  {label:<38}{sec:>9.3f} s {100 * sec / total:>6.1f} %")
-    if s.lossless is None:
-        lines.append("lossless: not checked")
-    else:
-        lines.append("lossless: OK (every request equals the target's own greedy decode)" if s.lossless
-                     else f"lossless: FAIL: {s.first_mismatch}")
+    lines.append(_lossless_line(s))
     for g in s.shown:
         if g.error is not None:
             lines.append(f"request {g.request_id} (rank {g.rank}): refused")

@@ -122,3 +122,37 @@ def test_run_quantized_draft_dequantized_at_load(fmt, layout, trained, tmp_path)
     assert summary["accept_length"] >= (2.0 if trained else 1.0), proc.stdout
     logged = [line for line in (proc.stdout + proc.stderr).splitlines() if "dequantized to float32 at load" in line]
     assert len(logged) == 2 and all(f"{fmt} checkpoint dequantized" in line for line in logged), logged
+
+
+@pytest.mark.timeout(600)
+def test_sampled_run_writes_every_prompt_and_repeats_with_the_same_seeds(tmp_path):
+    """--temperature 0.8 with a greedy line and a line of its own sampling: every prompt's output,
+    in order, of the right length; the same seeds give the same file twice (counter-based random
+    numbers: a request's tokens depend on its seed, never its rank or batch); the greedy request is
+    still lossless-checked, the sampled ones get a per-setting row."""
+    good = [json.loads(line)["input_ids"] for line in open("epdraft/assets/prompts.jsonl")][:5]
+    lines = [{"input_ids": good[0], "id": "a"}, {"input_ids": good[1], "temperature": 0, "id": 2},
+             {"input_ids": good[2], "top_k": 5, "seed": 123}, {"input_ids": []}, {"input_ids": good[3]},
+             {"input_ids": good[4], "temperature": 1.2, "top_p": 0.9}]  # fmt: skip
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    files = []
+    for attempt in range(2):
+        out = tmp_path / f"out{attempt}.jsonl"
+        flags = ["--prompts", str(prompts), "--max-new-tokens", "16", "--temperature", "0.8", "--seed", "7",
+                 "--output", str(out)]  # fmt: skip
+        proc, summary = run_epdraft(flags, tmp_path)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        written = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [w["index"] for w in written] == list(range(6))
+        assert [w["id"] for w in written] == ["a", 2, None, None, None, None]
+        assert [len(w["output_ids"]) for w in written] == [16, 16, 16, 0, 16, 16]
+        assert "empty prompt" in written[3]["error"] and all("error" not in w for i, w in enumerate(written) if i != 3)
+        assert [w["temperature"] for w in written] == [0.8, 0.0, 0.8, 0.8, 0.8, 1.2]
+        assert written[2]["seed"] == 123 and written[2]["top_k"] == 5 and written[5]["top_p"] == 0.9
+        assert summary["sampled_requests"] == 4 and summary["lossless"] is True and summary["lossless_requests"] == 1
+        assert [row["label"] for row in summary["per_sampling"]] == ["greedy", "T=0.8", "T=0.8 top_k=5",
+                                                                      "T=1.2 top_p=0.9"]  # fmt: skip
+        assert "lossless: OK for the 1 greedy request; 4 sampled requests are exact in distribution" in proc.stdout
+        files.append(out.read_bytes())
+    assert files[0] == files[1]

@@ -66,3 +66,56 @@ def test_a_directory_without_tokenizer_files_is_refused_before_transformers(tmp_
     p = _write(tmp_path, [json.dumps({"text": "hello"})])
     with pytest.raises(ConfigError, match=r"prompts.jsonl:1: has 'text' but no tokenizer .*none of tokenizer.json"):
         read_prompts(p, tokenizer_dir=tmp_path / "target")
+
+
+def test_a_lines_sampling_overrides_the_runs_defaults_field_by_field(tmp_path):
+    from epdraft.config.sampling import SamplingParams
+    from epdraft.target.prompts import Prompt, read_prompt_file
+
+    lines = [
+        json.dumps({"input_ids": [1], "id": "a"}),
+        "",
+        json.dumps({"input_ids": [2], "temperature": 0.7, "top_k": None, "seed": 5, "id": 7}),
+        json.dumps({"input_ids": [3], "top_p": 1}),
+    ]
+    defaults = SamplingParams(temperature=0.5, top_k=4, top_p=0.9)
+    prompts = read_prompt_file(_write(tmp_path, lines), defaults=defaults)
+    assert prompts == [
+        Prompt(line=1, ids=[1], sampling=defaults, id="a"),
+        Prompt(line=3, ids=[2], sampling=SamplingParams(temperature=0.7, top_k=None, top_p=0.9, seed=5), id=7),
+        Prompt(line=4, ids=[3], sampling=SamplingParams(temperature=0.5, top_k=4, top_p=1.0)),
+    ]
+    assert read_prompt_file(_write(tmp_path, lines), limit=1)[0].sampling == SamplingParams()
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"temperature": -0.5}, r"prompts.jsonl:2: temperature = -0.5: expected `float` >= 0.0"),
+        ({"temperature": True}, r"prompts.jsonl:2: temperature = True: expected `float`, got `bool`"),
+        ({"temperature": "0.7"}, r"prompts.jsonl:2: temperature = '0.7': expected `float`, got `str`"),
+        ({"top_p": 1.5}, r"prompts.jsonl:2: top_p = 1.5: expected `float` <= 1.0"),
+        ({"top_p": 0}, r"prompts.jsonl:2: top_p = 0: expected `float` > 0.0"),
+        ({"top_k": 0}, r"prompts.jsonl:2: top_k = 0: expected `int` >= 1"),
+        ({"top_k": 2.5}, r"prompts.jsonl:2: top_k = 2.5: expected `int | null`, got `float`"),
+        ({"seed": 1.0}, r"prompts.jsonl:2: seed = 1.0: expected `int | null`, got `float`"),
+        ({"seed": -1}, r"prompts.jsonl:2: seed = -1: expected `int` >= 0"),
+        ({"seed": 2**63}, r"prompts.jsonl:2: seed = 9223372036854775808: expected `int` <= 9223372036854775807"),
+        ({"id": [1]}, r"prompts.jsonl:2: id must be a JSON scalar \(string, number, true/false or null\), got list"),
+    ],
+)
+def test_bad_sampling_fields_are_refused_naming_the_line_and_field(tmp_path, fields, message):
+    from epdraft.target.prompts import read_prompt_file
+
+    p = _write(tmp_path, [json.dumps({"input_ids": [1]}), json.dumps({"input_ids": [2], **fields})])
+    with pytest.raises(ConfigError, match=message):
+        read_prompt_file(p)
+    with pytest.raises(ConfigError, match=message):  # callers that only need ids read the file as strictly
+        read_prompts(p)
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_refused(tmp_path, constant):
+    p = _write(tmp_path, ['{"input_ids": [1], "temperature": %s}' % constant])
+    with pytest.raises(ConfigError, match=rf"prompts.jsonl:1: {constant} is not JSON, expected finite numbers"):
+        read_prompts(p)

@@ -66,3 +66,32 @@ def _counted_job(rank: int, world: int, layout: str) -> dict:
 def test_draft_config_read_once_and_planner_once_per_rank(layout, planner_runs):
     counts = run_ranks(2, _counted_job, layout, timeout_s=200)
     assert counts == [{"config.json": 1, "planner": planner_runs}] * 2
+
+
+def test_run_prompts_resolve_each_seed_from_the_run_seed_and_the_prompt_index(tmp_path):
+    import json
+
+    from epdraft.config.sampling import SamplingParams
+    from epdraft.sampling.batch import request_seed
+    from epdraft.worker.job import RunJob, run_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in
+                               [{"input_ids": [1]}, {"input_ids": [2], "seed": 5}, {"input_ids": [3]}]))  # fmt: skip
+    job = RunJob(draft="d", target=str(tmp_path), prompts=str(prompts), max_prompts=2, seed=9,
+                 sampling=SamplingParams(temperature=0.5))  # fmt: skip
+    resolved = run_prompts(job)
+    assert [p.sampling for p in resolved] == [SamplingParams(temperature=0.5, seed=request_seed(9, 0)),
+                                              SamplingParams(temperature=0.5, seed=5)]  # fmt: skip
+    assert run_prompts(job) == resolved  # every rank resolves the same seeds
+
+
+def test_the_worker_refuses_sampling_flags_out_of_range():
+    from epdraft.errors import ConfigError
+    from epdraft.worker.__main__ import job_sampling, parse_args
+
+    base = ["--config", "c.toml", "--draft", "d", "--target", "t", "--prompts", "p"]
+    defaults, seed = job_sampling(parse_args([*base, "--temperature", "0.7", "--top-k", "3", "--seed", "4"]))
+    assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.seed, seed) == (0.7, 3, 1.0, None, 4)
+    with pytest.raises(ConfigError, match=r"--top-p/--seed: top_p = 1.5: expected `float` <= 1.0"):
+        job_sampling(parse_args([*base, "--top-p", "1.5"]))

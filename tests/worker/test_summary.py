@@ -1,5 +1,7 @@
 """The run summary: acceptance arithmetic, phase split, and the lossless verdict with its first mismatch."""
 
+import msgspec
+
 from epdraft.worker.serve import assign_prompts
 from epdraft.worker.summary import RankReport, RequestOutcome, format_summary, generations, summarize
 
@@ -65,3 +67,54 @@ def test_assign_prompts_balances_load_unevenly_and_deterministically():
     assert split[0] == [0]  # the longest prompt gets a rank of its own
     assert sorted(len(r) for r in split) == [1, 1, 2, 2]
     assert assign_prompts([5, 5], 8, 4)[2:] == [[], []]  # more ranks than prompts: idle ranks
+
+
+def test_sampled_requests_get_a_row_per_setting_and_are_not_called_lossless():
+    from epdraft.config.sampling import SamplingParams
+
+    hot = SamplingParams(temperature=0.7, top_k=5, seed=1)
+    warm = SamplingParams(temperature=0.7, top_k=5, seed=2)  # the seed is no setting of its own
+    nucleus = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
+    greedy = RequestOutcome(request_id=0, rank=0, tokens=[1, 2, 3, 4], accept_lens=[2, 0], tests=3,
+                            expected_accepts=2.0, reference_tokens=[1, 2, 3, 4])  # fmt: skip
+    a = RequestOutcome(request_id=1, rank=0, sampling=hot, tokens=[1, 2], accept_lens=[1, 0, 0], tests=5,
+                       expected_accepts=2.5)  # fmt: skip
+    b = RequestOutcome(request_id=2, rank=1, sampling=warm, tokens=[1, 2], accept_lens=[2], tests=3,
+                       expected_accepts=2.0)  # fmt: skip
+    c = RequestOutcome(request_id=3, rank=1, sampling=nucleus, tokens=[1], accept_lens=[1])  # tests unknown
+    refused = RequestOutcome(request_id=4, rank=1, sampling=hot, error="request 4: empty prompt")
+    s = summarize([_report(0, [greedy, a]), _report(1, [b, c, refused])], config="c")
+    assert [r.label for r in s.per_sampling] == ["greedy", "T=0.7 top_k=5", "T=1 top_p=0.9"]
+    g, h, n = s.per_sampling
+    assert (g.requests, g.verify_steps, g.accept_length, g.tests) == (1, 2, 2.0, 3)
+    assert g.accept_rate == 2 / 3 and g.expected_rate == 2 / 3
+    assert (h.requests, h.verify_steps, h.accept_length, h.tests) == (2, 4, 1.75, 8)  # the refused one is not served
+    assert h.accept_rate == 3 / 8 and h.expected_rate == 4.5 / 8
+    assert n.tests is None and n.accept_rate is None and n.expected_rate is None and n.accept_length == 2.0
+    assert s.lossless is True and s.lossless_requests == 1 and s.sampled_requests == 3
+    text = format_summary(s)
+    assert "    T=0.7 top_k=5               2 requests   accept length 1.75, rate 0.38, expected 0.56 (over 8 tests)" in text
+    assert "    T=1 top_p=0.9                1 request   accept length 2.00, rates not reported by the target" in text
+    assert ("lossless: OK for the 1 greedy request; 3 sampled requests are exact in distribution by construction "
+            "(tests/e2e/test_sampling_exact.py checks it), not compared token by token") in text
+    encoded = msgspec.json.decode(msgspec.json.encode(s))  # --json carries the table
+    assert encoded["per_sampling"][1]["label"] == "T=0.7 top_k=5" and encoded["per_sampling"][1]["tests"] == 8
+
+
+def test_an_all_greedy_run_has_no_sampling_table_and_the_old_verdict():
+    a = RequestOutcome(request_id=0, rank=0, tokens=[1, 2], accept_lens=[1], tests=1, reference_tokens=[1, 2])
+    s = summarize([_report(0, [a])], config="c")
+    assert s.per_sampling == [] and "per sampling setting" not in format_summary(s)
+    assert "lossless: OK (every request equals the target's own greedy decode)" in format_summary(s)
+
+
+def test_lossless_line_when_nothing_greedy_was_compared():
+    from epdraft.config.sampling import SamplingParams
+
+    hot = SamplingParams(temperature=0.5, seed=1)
+    sampled = RequestOutcome(request_id=0, rank=0, sampling=hot, tokens=[1], accept_lens=[0])
+    unchecked = RequestOutcome(request_id=1, rank=0, tokens=[1], accept_lens=[0])
+    only = format_summary(summarize([_report(0, [sampled])], config="c"))
+    assert "lossless: no greedy request to check; 1 sampled request is exact in distribution" in only
+    both = format_summary(summarize([_report(0, [sampled, unchecked])], config="c"))
+    assert "lossless: not checked for the 1 greedy request; 1 sampled request is exact" in both
