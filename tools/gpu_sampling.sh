@@ -16,7 +16,7 @@ for part in ${@:-tests bench run random}; do
   echo "=== $part $(date -u +%FT%TZ)" | tee -a "$LOG"
   case $part in
     tests) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rfs \
-             ${TESTS:-tests/gpu/test_draft_step.py tests/gpu/test_variant_graphs.py} 2>&1 | tail -15 | tee -a "$LOG" ;;
+             ${TESTS:-tests/gpu/test_sample_kernel.py tests/gpu/test_draft_step.py tests/gpu/test_variant_graphs.py} 2>&1 | tail -15 | tee -a "$LOG" ;;
     bench)
       timeout 200 python3 -m epdraft.cli bench step --requests ${REQUESTS:-1,8,32,64} --context ${CONTEXT:-1024,8192} \
         --steps 20 --warmup 5 --no-cache-path --temperature 0.8 --json "$OUT/bench-sampled.jsonl" 2>&1 | grep -v '^{' | tee -a "$LOG"

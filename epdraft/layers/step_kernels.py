@@ -21,6 +21,8 @@ family (`epdraft.kernels`).
                        the per-expert loop (`layers.experts`)
     quantized_experts  the routed experts stay FP8 / MXFP4 as stored and the fused kernels decode
                        them; False: a quantized checkpoint is dequantized to the draft's dtype at load
+    sampling           "triton": a sampled readout without top-k / top-p draws its drafts in one
+                       launch (`kernels.sample.propose`); "torch": `epdraft.sampling`'s tensor ops
     graphs             the step replays from CUDA graphs (`runtime.graphs`)
 
 Adding a kernel family: docs/compute-kernels.md. The Triton paths have no backward: a draft
@@ -40,6 +42,7 @@ from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.dispatch import MoeLayout
 from epdraft.errors import ConfigError
 from epdraft.kernels.experts import fused
+from epdraft.kernels.sample import propose
 from epdraft.kernels.step import attention, ops, skinny
 
 log = logging.getLogger(__name__)
@@ -51,6 +54,7 @@ FAMILIES: dict[str, tuple[str, str, Callable[[str, torch.dtype], str | None]]] =
     "projections": ("skinny", "torch", skinny.unsupported_reason),
     "attention": ("triton", "torch", attention.unsupported_reason),
     "experts": ("fused", "reference", fused.unsupported_reason),
+    "sampling": ("triton", "torch", propose.unsupported_reason),
 }
 
 
@@ -71,6 +75,7 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
     attention: Literal["triton", "torch"] = "torch"
     experts: Literal["fused", "reference"] = "reference"
     quantized_experts: bool = False
+    sampling: Literal["triton", "torch"] = "torch"
     graphs: bool = False
     reasons: tuple[str, ...] = ()
     dequantized: str | None = None
@@ -152,7 +157,7 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
         """One line for the rank's log and the run summary: `step ops triton, projections skinny, ...`."""
         experts = self.experts + (" (quantized)" if self.quantized_experts else "")
         return (f"step ops {self.step_ops}, projections {self.projections}, attention {self.attention}, "
-                f"experts {experts}, graphs {'on' if self.graphs else 'off'}")  # fmt: skip
+                f"experts {experts}, sampling {self.sampling}, graphs {'on' if self.graphs else 'off'}")  # fmt: skip
 
 
 def _quantized_layers(ffn: DraftMixFFNSpec | None) -> list[tuple[int, DraftMoeFFNSpec]]:

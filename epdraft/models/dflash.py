@@ -342,6 +342,6 @@ class DFlashDraft(nn.Module):
         logits_NkV = heads.lm_head(hidden_NkH)
         if sampling is None:
             return logits_NkV.argmax(dim=-1), None, None
-        positions_Nk = sampling.first_N.unsqueeze(1) + torch.arange(logits_NkV.shape[1], device=logits_NkV.device)
-        drafts_NK, q_NkV = propose_tokens(logits_NkV, sampling.batch, positions_Nk)
+        drafts_NK, q_NkV = propose_tokens(logits_NkV, sampling.batch, sampling.first_N,
+                                          fused=self.kernels.sampling == "triton")  # fmt: skip
         return drafts_NK, None, q_NkV

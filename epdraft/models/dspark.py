@@ -41,11 +41,15 @@ def rnn_step(
 
 class MarkovHead(nn.Module):
     """`markov_w1` = Embedding [V, r] of the previous token, `markov_w2` = Linear r -> V (no bias);
-    the gated head adds `gate_proj` Linear(H + r -> r), the rnn head `joint_proj` Linear(2r + H -> 3r)."""
+    the gated head adds `gate_proj` Linear(H + r -> r), the rnn head `joint_proj` Linear(2r + H -> 3r).
+    `fused_sampling`: sampled drafts are drawn in one launch per position (`StepKernels.sampling`)."""
 
-    def __init__(self, kind: str, vocab_size: int, rank: int, hidden_size: int, *, dtype, device):
+    def __init__(
+        self, kind: str, vocab_size: int, rank: int, hidden_size: int, *, dtype, device, fused_sampling: bool = False
+    ):
         super().__init__()
         self.kind = kind
+        self.fused_sampling = fused_sampling
         kw = dict(dtype=dtype, device=device)
         self.markov_w1 = nn.Embedding(vocab_size, rank, **kw)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False, **kw)
@@ -77,8 +81,8 @@ class MarkovHead(nn.Module):
             if sampling is None:
                 prev = logits_NV.argmax(dim=-1)
             else:
-                positions_N1 = (sampling.first_N + i).unsqueeze(1)
-                tokens_N1, q_N1V = propose_tokens(logits_NV.unsqueeze(1), sampling.batch, positions_N1)
+                tokens_N1, q_N1V = propose_tokens(logits_NV.unsqueeze(1), sampling.batch, sampling.first_N + i,
+                                                  fused=self.fused_sampling)  # fmt: skip
                 prev = tokens_N1[:, 0]
                 probs.append(q_N1V)
             drafts.append(prev)
@@ -113,8 +117,9 @@ class DSparkDraft(DFlashDraft):
     ):
         super().__init__(spec, dtype=dtype, device=device, dispatcher=dispatcher, kernels=kernels)
         self.markov_head = MarkovHead(
-            spec.markov_head_type, spec.vocab_size, spec.markov_rank, spec.hidden_size, dtype=dtype, device=device
-        )
+            spec.markov_head_type, spec.vocab_size, spec.markov_rank, spec.hidden_size, dtype=dtype, device=device,
+            fused_sampling=self.kernels.sampling == "triton",
+        )  # fmt: skip
         self.confidence_head: ConfidenceHead | None = None
         if spec.enable_confidence_head:
             width = spec.hidden_size + (spec.markov_rank if spec.confidence_head_with_markov else 0)

@@ -12,7 +12,7 @@ from epdraft.runtime.graphs import StepGraphs
 
 @torch.no_grad()
 def graph_vs_eager(draft, heads, *, requests: int, bucket: int, buckets: tuple[int, ...], steps: int,
-                   first_rows: list[int], seed: int, sample: bool = False) -> tuple[int, bool]:  # fmt: skip
+                   first_rows: list[int], seed: int, sampling: str = "greedy") -> tuple[int, bool]:  # fmt: skip
     """(steps whose replayed drafts, finite flags or confidence differ from eager, whether every step stayed
     finite) over `steps` steps of `requests` requests padded to `bucket`; each replay runs under
     `torch.cuda.set_sync_debug_mode("error")` (a host sync inside it raises).
@@ -21,17 +21,22 @@ def graph_vs_eager(draft, heads, *, requests: int, bucket: int, buckets: tuple[i
     depends on its row count, so only the same shapes can be asked to agree bit for bit. Each step
     commits 1..B rows per request (as verify would), so the context grows every step.
 
-    sample: the sampled readout, every other request sampling (T = 0.8, then T = 0.7 with top-k 50
-    and top-p 0.9) beside greedy ones; the replayed proposal probabilities must equal eager's too.
+    sampling: "greedy" (every request), "sample" (requests cycle through greedy, T = 0.8, T = 1.2:
+    the one-launch sampled readout) or "filtered" (greedy, T = 0.8, T = 0.7 with top-k 50 and top-p
+    0.9: the sorted one); sampled readouts must replay their proposal probabilities bit for bit too.
     """
     spec, B, n = draft.spec, draft.block_size, requests
     width = spec.num_target_features * spec.hidden_size
     pool = draft.new_pool(max_requests=bucket, max_context=sum(first_rows) + steps * B + 64)
     rids = list(range(n))
-    settings = [SamplingParams(), SamplingParams(temperature=0.8, seed=seed),
-                SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=seed + 1)]  # fmt: skip
+    settings = {
+        "greedy": [SamplingParams()],
+        "sample": [SamplingParams(), SamplingParams(temperature=0.8, seed=seed), SamplingParams(temperature=1.2, seed=9)],
+        "filtered": [SamplingParams(), SamplingParams(temperature=0.8, seed=seed),
+                     SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=seed + 1)],
+    }[sampling]  # fmt: skip
     for rid in rids:
-        pool.admit(rid, settings[rid % 3] if sample else SamplingParams())
+        pool.admit(rid, settings[rid % len(settings)])
     readout = pool.readout(rids)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     draft.extend(pool, rids, [torch.randn(r, width, generator=gen, device="cuda").bfloat16() for r in first_rows])
@@ -57,7 +62,7 @@ def graph_vs_eager(draft, heads, *, requests: int, bucket: int, buckets: tuple[i
         mismatches += int(not torch.equal(replayed, eager[:n])) + int(not torch.equal(replayed_finite, finite))
         if out.confidence_NK is not None:  # a DSpark confidence head: the graph holds its scores too
             mismatches += int(not torch.equal(replay.confidence_NK, out.confidence_NK[:n]))
-        if sample:
+        if out.probs_NKV is not None:
             mismatches += int(not torch.equal(replay.probs_NKV, out.probs_NKV[:n]))
         all_finite &= bool(finite.all())
         commit = [1 + (step + i) % B for i in rids]

@@ -47,11 +47,11 @@ def _draft():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("sample", [False, True])
-def test_graph_replay_equals_eager_over_100_steps_without_host_sync(sample):
+@pytest.mark.parametrize("sampling", ["greedy", "sample", "filtered"])
+def test_graph_replay_equals_eager_over_100_steps_without_host_sync(sampling):
     spec, draft, heads = _draft()
     mismatches, _ = graph_vs_eager(draft, heads, requests=5, bucket=8, buckets=(1, 2, 4, 8), steps=100,
-                                   first_rows=[17 + 3 * i for i in range(5)], seed=1, sample=sample)  # fmt: skip
+                                   first_rows=[17 + 3 * i for i in range(5)], seed=1, sampling=sampling)  # fmt: skip
     assert mismatches == 0
 
 

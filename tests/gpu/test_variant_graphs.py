@@ -25,14 +25,14 @@ CASES = {"dflash": [], **VARIANTS}
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("sample", [False, True])
+@pytest.mark.parametrize("sampling", ["greedy", "sample", "filtered"])
 @pytest.mark.parametrize("variant", sorted(CASES))
-def test_variant_graph_replay_equals_eager(variant, sample, tmp_path):
+def test_variant_graph_replay_equals_eager(variant, sampling, tmp_path):
     made = subprocess.run([sys.executable, str(REPO / "tools" / "make_variant_draft.py"), str(tmp_path / "pair"),
                            *CASES[variant]], capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
     assert made.returncode == 0, made.stderr
     draft = load_draft(tmp_path / "pair" / "draft", dtype=torch.bfloat16, device="cuda").eval()
     heads = RandomHeads(draft.spec.vocab_size, draft.spec.hidden_size, dtype=torch.bfloat16, device=torch.device("cuda"))
     mismatches, finite = graph_vs_eager(draft, heads, requests=3, bucket=4, buckets=(4,), steps=20,
-                                        first_rows=[5, 12, 19], seed=3, sample=sample)  # fmt: skip
+                                        first_rows=[5, 12, 19], seed=3, sampling=sampling)  # fmt: skip
     assert mismatches == 0 and finite

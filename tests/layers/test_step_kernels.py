@@ -19,7 +19,7 @@ from epdraft.errors import ConfigError
 from epdraft.kernels import launch
 from epdraft.kernels.experts.fused import fused_experts, fused_experts_quantized
 from epdraft.layers import DraftMLP, DraftMoE, RoutedExperts, Router
-from epdraft.layers.step_kernels import StepKernels, default_dtype
+from epdraft.layers.step_kernels import FAMILIES, StepKernels, default_dtype
 from epdraft.models import DFlashDraft, DraftModelSpec
 from tests.models.helpers import draft_config
 
@@ -50,7 +50,8 @@ def test_cpu_runs_every_op_on_its_torch_path():
     kernels = StepKernels.resolve("cpu", torch.float32, ffn=_ffn(_moe()))
     assert kernels == StepKernels.reference()
     assert kernels.reasons == () and kernels.dequantized is None
-    assert kernels.label == ("step ops torch, projections torch, attention torch, experts reference, graphs off")
+    assert kernels.label == ("step ops torch, projections torch, attention torch, experts reference, sampling torch, "
+                             "graphs off")
     assert default_dtype("cpu") == torch.float32 and default_dtype("cuda:1") == torch.bfloat16
 
 
@@ -59,14 +60,14 @@ def test_cuda_bf16_runs_every_kernel(triton_here):
     assert (kernels.step_ops, kernels.projections, kernels.attention, kernels.experts) == (
         "triton", "skinny", "triton", "fused")
     assert kernels.graphs and kernels.reasons == () and not kernels.quantized_experts
-    assert kernels.label.endswith("experts fused, graphs on")
+    assert kernels.label.endswith("experts fused, sampling triton, graphs on")
 
 
 def test_cuda_without_triton_says_so(monkeypatch):
     monkeypatch.setattr(launch, "triton_installed", lambda: False)
     kernels = StepKernels.resolve("cuda", torch.bfloat16, ffn=_ffn(_moe()))
     assert kernels == StepKernels(reasons=kernels.reasons)
-    assert len(kernels.reasons) == 4 and all("Triton is not installed" in r for r in kernels.reasons)
+    assert len(kernels.reasons) == len(FAMILIES) and all("Triton is not installed" in r for r in kernels.reasons)
 
 
 def test_cuda_float32_runs_the_reference_experts_and_names_the_fix(triton_here):
@@ -96,7 +97,7 @@ def test_graphs_are_refused_where_the_step_cannot_be_captured(triton_here):
 def test_quantized_experts_stay_quantized_only_where_the_fused_kernels_take_them(triton_here):
     mx = _ffn(_moe(QuantSpec(method="mxfp4", block=(1, 32))))
     kept = StepKernels.resolve("cuda", torch.bfloat16, ffn=mx, layout=_layout())
-    assert kept.quantized_experts and kept.dequantized is None and kept.label.endswith("experts fused (quantized), graphs off")
+    assert kept.quantized_experts and kept.dequantized is None and kept.label.endswith("experts fused (quantized), sampling triton, graphs off")
     sliced = StepKernels.resolve("cuda", torch.bfloat16, ffn=mx, layout=_layout(layout="gather", tp_size=2))
     assert not sliced.quantized_experts
     assert sliced.dequantized == ("mxfp4 checkpoint dequantized to bfloat16 at load (draft.moe_tp = 2 slices the "

@@ -1,0 +1,1 @@
+"""The sampled readout's kernel family: draft tokens drawn from their processed logits in one launch."""
