@@ -7,7 +7,8 @@ eager step (what `DraftRuntime` ran before the KV pool); `eager`, the pooled ste
 pooled step replayed from a CUDA graph; `no-pdl`, the same graph captured with programmatic
 dependent launch off (`epdraft.kernels.launch`: on by default on sm_90+); `sampled`, the graph of
 the sampled readout with every request at `--temperature` (`--top-k`, `--top-p`): what sampling
-adds to a step, side by side with the greedy graph in the same run (`sampled/graph`). The floor is max(bytes / 4.3 TB/s, FLOPs / 700 TFLOP/s)
+adds to a step, timed alternately with the greedy graph (`sampled/graph` is over that greedy
+time, not the `graph` column's). The floor is max(bytes / 4.3 TB/s, FLOPs / 700 TFLOP/s)
 counted from the shapes: the draft's non-expert weights, the experts the step's pairs touch
 (expected count), the lm_head, and the context K/V read. `kernels` is the eager pooled step's
 CUDA kernel count and `busy ms` their summed device time (torch profiler, launched without PDL:
@@ -161,6 +162,24 @@ def _time_ms(fn, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def _time_pair_ms(fa, fb, steps: int, warmup: int) -> tuple[float, float]:
+    """Medians of `fa` and `fb` timed alternately (a, b, a, b, ...): a clock or thermal drift during
+    the run moves both alike, so their ratio is what a side-by-side comparison means."""
+    for _ in range(warmup):
+        fa()
+        fb()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(steps):
+        for fn, out in ((fa, times[0]), (fb, times[1])):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end))
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def kernel_breakdown(kernels: list[tuple[str, float]], top: int) -> tuple[int, float, list[tuple[str, int, float]]]:
     """(kernel count, their summed device µs, the `top` names by time as (name, calls, µs)) of one
     step's kernels [(name, device µs)]: where the GPU's time goes, and, against the graph's
@@ -257,11 +276,12 @@ def main(args: argparse.Namespace) -> int:
                 same = torch.equal(graphs.run(slot_list, anchor_list, plan).drafts_NK, drafts) and torch.equal(
                     no_pdl_graphs.run(slot_list, anchor_list, plan).drafts_NK, drafts
                 )
-                sampled = None
+                sampled = greedy = None
                 if sampling is not None:
                     readout = Readout.of([sampling])
-                    sampled = _time_ms(lambda: graphs.run(slot_list, anchor_list, plan, readout=readout), args.steps,
-                                       args.warmup)  # fmt: skip
+                    greedy, sampled = _time_pair_ms(lambda: graphs.run(slot_list, anchor_list, plan),
+                                                    lambda: graphs.run(slot_list, anchor_list, plan, readout=readout),
+                                                    args.steps, args.warmup)  # fmt: skip
                     step = draft.step(pool, slots, anchors, heads, plan, readout=readout)
                     replay = graphs.run(slot_list, anchor_list, plan, readout=readout)
                     same &= torch.equal(replay.drafts_NK, step.drafts_NK) and torch.equal(replay.probs_NKV, step.probs_NKV)
@@ -274,12 +294,12 @@ def main(args: argparse.Namespace) -> int:
             floor = floor_s * 1e3
             row = dict(kind="step", preset=label, requests=n, context=context, cache_ms=cache, eager_ms=eager,
                        graph_ms=graph, no_pdl_graph_ms=no_pdl, floor_ms=floor, bytes=nbytes, flops=flops, kernels=kernels,
-                       busy_ms=busy_us / 1e3, sampled_graph_ms=sampled, sampling=sampling and msgspec.to_builtins(sampling),
+                       busy_ms=busy_us / 1e3, sampled_graph_ms=sampled, greedy_graph_ms_beside_sampled=greedy, sampling=sampling and msgspec.to_builtins(sampling),
                        graph_equals_eager=same, device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
             results.append(row)
             cache_text = f"{cache:>10.3f}" if cache is not None else f"{'-':>10}"
             ratio = f"{cache / graph:>12.1f}" if cache is not None else f"{'-':>12}"
-            sampled_text = f"{sampled:>11.3f}{sampled / graph:>14.3f}" if sampled is not None else f"{'-':>11}{'-':>14}"
+            sampled_text = f"{sampled:>11.3f}{sampled / greedy:>14.3f}" if sampled is not None else f"{'-':>11}{'-':>14}"
             print(f"{n:>5}{context:>9}{cache_text}{eager:>10.3f}{graph:>10.3f}{no_pdl:>10.3f}{floor:>10.3f}{graph / floor:>12.2f}"
                   f"{ratio}{kernels:>9}{busy_us / 1e3:>9.3f}{sampled_text}{'' if same else '  graph != eager'}")  # fmt: skip
             if args.profile:
