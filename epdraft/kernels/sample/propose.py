@@ -3,11 +3,13 @@ token drawn from it by the counter-based inverse CDF, for a readout without top-
 (`epdraft.sampling.Readout.SAMPLE`).
 
 Why: the torch chain it equals (`epdraft.sampling.propose_tokens`: the scaled softmax, the hash's
-~120 elementwise launches, an fp64 cumulative sum over the vocabulary and a search) added ~40 % to
-the N = 1..64 graph step of the issue-13 preset on an H100; this reads the logits three times
-(max and normalizer, q stored, the scan) and writes q once. Every launch has a shape-only grid and
+~120 elementwise launches, an fp64 cumulative sum over the vocabulary and a search) added 37-47 %
+to the N = 1..64 graph step of the issue-13 preset on an H100, this launch 1-3 %
+(docs/performance.md). It reads the logits twice (max and normalizer; q stored) and a third time
+up to the block where the draw falls, and writes q once. Every launch has a shape-only grid and
 reads nothing on the host: a CUDA graph holds it. tests/gpu/test_sample_kernel.py holds it against
-the torch chain (the same uniforms bit for bit, q to fp32 rounding, the same tokens).
+the torch chain (the same uniforms bit for bit, q to a few fp32 ulps, the same tokens but where a
+draw falls within that rounding of a CDF step).
 """
 
 from __future__ import annotations
