@@ -54,15 +54,22 @@ def sampled_rows(q_NkV: torch.Tensor, drafts_Nk: torch.Tensor) -> torch.Tensor:
     return q_NkV.gather(-1, drafts_Nk.unsqueeze(-1)).squeeze(-1)
 
 
-@pytest.mark.parametrize("moe", [True, False])
-def test_dflash_q_is_the_processed_logits_and_the_step_equals_the_reference(moe):
-    draft, heads = make_draft(3, moe=moe), Heads()
+def step_equals_reference(draft, heads):
+    """(anchors, pool, slots, the pooled sampled step) after checking the step against the cache
+    reference: the same drafts, q to fp32 rounding."""
     anchors = torch.tensor([7, 33, 2])
     pool, slots = pooled(draft)
     step = draft.step(pool, slots, anchors, heads, None, readout=Readout.FILTERED)
     ref = reference_step(draft, caches(draft), anchors, heads, sampling=SamplingBatch.of(PARAMS))
     assert torch.equal(step.drafts_NK, ref.drafts_NK)
     torch.testing.assert_close(step.probs_NKV, ref.probs_NKV, rtol=1e-5, atol=1e-6)
+    return anchors, pool, slots, step
+
+
+@pytest.mark.parametrize("moe", [True, False])
+def test_dflash_q_is_the_processed_logits_and_the_step_equals_the_reference(moe):
+    draft, heads = make_draft(3, moe=moe), Heads()
+    anchors, pool, slots, step = step_equals_reference(draft, heads)
     # q = the request's processing of lm_head(hidden rows 1..B-1), the plain formula, per row
     hidden = reference_hidden(draft, caches(draft), anchors, heads)[0][:, 1:]
     logits = heads.lm_head(hidden)
@@ -82,12 +89,7 @@ def test_dflash_q_is_the_processed_logits_and_the_step_equals_the_reference(moe)
 @pytest.mark.parametrize("markov", HEADS)
 def test_dspark_q_is_conditional_on_the_drafts_sampled_before(markov):
     draft, heads = make_dspark(1, markov=markov), Heads()
-    anchors = torch.tensor([7, 33, 2])
-    pool, slots = pooled(draft)
-    step = draft.step(pool, slots, anchors, heads, None, readout=Readout.FILTERED)
-    ref = reference_step(draft, caches(draft), anchors, heads, sampling=SamplingBatch.of(PARAMS))
-    assert torch.equal(step.drafts_NK, ref.drafts_NK)
-    torch.testing.assert_close(step.probs_NKV, ref.probs_NKV, rtol=1e-5, atol=1e-6)
+    anchors, _, _, step = step_equals_reference(draft, heads)
     # teacher-forced with the sampled drafts, the greedy Markov readout's step logits give q back:
     # feed prev = (anchor, d_0, ..., d_{k-2}) through the head one position at a time.
     m = draft.markov_head
