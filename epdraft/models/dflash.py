@@ -35,7 +35,7 @@ from epdraft.sampling import Readout, SamplingBatch, propose_tokens
 
 
 @dataclasses.dataclass(frozen=True)
-class Sampling:
+class SampledReadout:
     """A sampled step's readout inputs: the requests' sampling rows, and the sequence position of
     each request's first draft [N] int64 (draft i decides position first_N + i)."""
 
@@ -291,7 +291,7 @@ class DFlashDraft(nn.Module):
         sampling = None
         if readout is not Readout.ARGMAX:
             first_N = pool.lengths[slots_N].long() + 1  # the sequence position of each request's first draft
-            sampling = Sampling(pool.sampling_of(slots_N, readout), first_N)
+            sampling = SampledReadout(pool.sampling_of(slots_N, readout), first_N)
         drafts_NK, confidence_NK, probs_NKV = self.read_out(self.draft_rows(self.norm(x)), anchors_N, heads, sampling)
         return DraftStep(drafts_NK, nonfinite_L == 0, confidence_NK, probs_NKV)
 
@@ -334,7 +334,11 @@ class DFlashDraft(nn.Module):
         return hidden_NBH[:, 1:] if self.spec.readout == "mask_filling" else hidden_NBH
 
     def read_out(
-        self, hidden_NkH: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads, sampling: Sampling | None = None
+        self,
+        hidden_NkH: torch.Tensor,
+        anchors_N: torch.Tensor,
+        heads: TargetHeads,
+        sampling: SampledReadout | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(drafts [N, k] int64, None: DFlash has no confidence, q [N, k, V] fp32 or None) from the
         drafting rows' hidden: argmax drafts, or with `sampling` drafts sampled from the processed

@@ -20,7 +20,7 @@ from torch import nn
 from epdraft.dispatch import Dispatcher
 from epdraft.errors import ConfigError
 from epdraft.layers.step_kernels import StepKernels
-from epdraft.models.dflash import DFlashDraft, Sampling, TargetHeads
+from epdraft.models.dflash import DFlashDraft, SampledReadout, TargetHeads
 from epdraft.sampling import propose_tokens
 from epdraft.models.spec import DraftModelSpec
 
@@ -59,7 +59,11 @@ class MarkovHead(nn.Module):
             self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank, **kw)
 
     def decode(
-        self, base_NkV: torch.Tensor, hidden_NkH: torch.Tensor, anchors_N: torch.Tensor, sampling: Sampling | None = None
+        self,
+        base_NkV: torch.Tensor,
+        hidden_NkH: torch.Tensor,
+        anchors_N: torch.Tensor,
+        sampling: SampledReadout | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(drafts [N, k], q [N, k, V] fp32 or None): each step's logits [N, V] add the bias of the
         previous token (and hidden row); the draft is their argmax, or with `sampling` a sample of
@@ -126,7 +130,11 @@ class DSparkDraft(DFlashDraft):
             self.confidence_head = ConfidenceHead(width, device=device)
 
     def read_out(
-        self, hidden_NkH: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads, sampling: Sampling | None = None
+        self,
+        hidden_NkH: torch.Tensor,
+        anchors_N: torch.Tensor,
+        heads: TargetHeads,
+        sampling: SampledReadout | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(drafts [N, k] from the Markov head's decode (argmax, or sampled with `sampling`), each
         draft's confidence [N, k] fp32 when the export has a confidence head, else None, q or None):

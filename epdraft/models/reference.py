@@ -19,7 +19,7 @@ import torch
 
 from epdraft.dispatch import StepPlan
 from epdraft.models.cache import ContextScratch, DraftCache, context_mask, padded_context
-from epdraft.models.dflash import DFlashDraft, Sampling, TargetHeads, check_finite
+from epdraft.models.dflash import DFlashDraft, SampledReadout, TargetHeads, check_finite
 from epdraft.models.step import DraftStep
 from epdraft.sampling import SamplingBatch
 
@@ -78,7 +78,7 @@ def reference_step(
     readout = None
     if sampling is not None:
         first_N = torch.tensor([c.length + 1 for c in caches], dtype=torch.long, device=hidden.device)
-        readout = Sampling(sampling, first_N)
+        readout = SampledReadout(sampling, first_N)
     drafts_NK, confidence_NK, probs_NKV = draft.read_out(draft.draft_rows(hidden), anchors_N, heads, readout)
     check_finite(finite_L, f"over {len(caches)} requests' blocks", hidden.dtype)
     return DraftStep(drafts_NK, finite_L, confidence_NK, probs_NKV)

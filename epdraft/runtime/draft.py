@@ -120,7 +120,9 @@ class DraftRuntime:
         self.graphs: StepGraphs | None = None
         if self.kernels.graphs:
             self.graphs = StepGraphs(
-                lambda slots, anchors, plan, readout: draft.step(self.pool, slots, anchors, heads, plan, readout=readout),
+                lambda slots, anchors, plan, readout: draft.step(
+                    self.pool, slots, anchors, heads, plan, readout=readout
+                ),
                 pad_slot=self.pool.pad_slot, buckets=default_buckets(max_requests), block_size=draft.block_size,
                 device=draft.device,
             )  # fmt: skip

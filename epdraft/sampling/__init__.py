@@ -19,6 +19,7 @@ from epdraft.sampling.rejection import (
 )
 
 __all__ = [
-    "Readout", "SamplingBatch", "Stream", "Verdict", "greedy_accept", "greedy_probabilities", "probabilities", "propose_tokens", "rejection_sample",
-    "request_seed", "sample_tokens", "seeded", "speculative_accept", "uniforms", "verify_drafts",
+    "Readout", "SamplingBatch", "Stream", "Verdict", "greedy_accept", "greedy_probabilities", "probabilities",
+    "propose_tokens", "rejection_sample", "request_seed", "sample_tokens", "seeded", "speculative_accept", "uniforms",
+    "verify_drafts",
 ]  # fmt: skip
