@@ -54,6 +54,13 @@ def test_multi_node_command_uses_static_rendezvous_bounded_by_timeout():
         torchrun_command(pc, "c.toml", master_port=70000)
 
 
+def test_worker_env_sets_cores_per_local_rank_only_when_unset():
+    cores = len(os.sched_getaffinity(0))
+    assert launch.worker_env(2, {"PATH": "/bin"}) == {"PATH": "/bin", "OMP_NUM_THREADS": str(max(1, cores // 2))}
+    assert launch.worker_env(4 * cores, {})["OMP_NUM_THREADS"] == "1"
+    assert launch.worker_env(2, {"OMP_NUM_THREADS": "7"}) == {"OMP_NUM_THREADS": "7"}
+
+
 def test_dry_run_prints_the_command(capsys):
     assert cli_main(["launch", str(LOCAL_CPU_4), "--node-rank", "1", "--master-port", "29600", *TWO_NODES,
                      "--dry-run"]) == 0  # fmt: skip
