@@ -68,11 +68,13 @@ def test_default_run_logs_at_most_five_lines_and_prints_the_summary():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert len(proc.stderr.splitlines()) <= 5, proc.stderr
     assert proc.stdout.startswith("epdraft run: ") and "lossless: OK" in proc.stdout, proc.stdout
-    debug = subprocess.run([*base, "--log-level", "DEBUG", "--master-port", str(free_port())], capture_output=True,
-                           text=True, timeout=240, env=env)  # fmt: skip
+    debug = subprocess.run([*base, "--log-level", "DEBUG", "--show", "2", "--master-port", str(free_port())],
+                           capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
     assert debug.returncode == 0, debug.stdout + debug.stderr
     for detail in ("torch.distributed.run", "parallel config", "draft rank: attn_dp 1/2", "Loading weights"):
         assert detail in debug.stderr, debug.stderr
+    # The tiny target's byte tokenizer: --show prints text, not ids.
+    assert "request 0 (rank 0): '" in debug.stdout and "token ids" not in debug.stdout, debug.stdout
 
 
 @pytest.mark.timeout(300)
