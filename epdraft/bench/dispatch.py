@@ -94,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--a2a-backends", default=None,
                         help=f"alltoall backends, comma list of {', '.join(A2A_BACKENDS)} "
                         "(default: torch on cpu, the config's draft.a2a_backend on cuda)")
-    parser.add_argument("--json", type=Path, default=None, help="append one JSON line per layout and combination to this file (stdout: tables only)")  # fmt: skip
+    parser.add_argument("--json", type=Path, default=None,
+                        help="append one JSON line per layout and combination to this file (stdout: tables only)")
 
 
 def variants(pc: ParallelConfig, a2a_backends: tuple[str, ...]) -> list[tuple[str, str, str]]:

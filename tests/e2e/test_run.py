@@ -64,7 +64,8 @@ def test_default_run_logs_at_most_five_lines_and_prints_the_summary():
 
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torchrun's banner shows when unset
     base = [sys.executable, "-m", "epdraft.cli", "run", "--max-prompts", "2", "--max-new-tokens", "8"]
-    proc = subprocess.run([*base, "--master-port", str(free_port())], capture_output=True, text=True, timeout=240, env=env)
+    proc = subprocess.run([*base, "--master-port", str(free_port())], capture_output=True, text=True, timeout=240,
+                          env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert len(proc.stderr.splitlines()) <= 5, proc.stderr
     assert proc.stdout.startswith("epdraft run: ") and "lossless: OK" in proc.stdout, proc.stdout
