@@ -129,6 +129,8 @@ def main(args: argparse.Namespace) -> int:
         master_addr=args.master_addr,
         master_port=args.master_port,
         overrides=args.set,
+        # The workers log at the launcher's level (their own default is INFO, so the usual command stays short).
+        worker_args=["--log-level", args.log_level] if args.log_level.upper() != "INFO" else [],
     )
     if args.dry_run:
         print(shlex.join(cmd))
