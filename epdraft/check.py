@@ -8,7 +8,8 @@ weight, fp8 8 bits plus its scales) and the attention (full, or sliding with its
 DSpark draft's header adds its block size, readout, Markov head and confidence head; a quantized
 checkpoint its format and whether a CUDA bf16 run keeps the experts quantized.
 A config the runtime cannot run exits 2 with one line naming the key; a parallel config (TOML or
-YAML, or a shipped config's name) exits 2 pointing to `epdraft plan`, which checks one against a draft.
+YAML, a shipped config's name, or JSON with a `cluster` section or only parallel-config sections)
+exits 2 pointing to `epdraft plan`, which checks one against a draft.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from epdraft.config.ffn import ActivationSpec, DraftDenseFFNSpec, DraftMoeFFNSpec, FFNSpec, RouterSpec
 from epdraft.config.hf import DraftMixFFNSpec, parse_ffn_config, read_config_json
-from epdraft.config.parallel import resolve_config_path, shipped_config_names
+from epdraft.config.parallel import ParallelConfig, resolve_config_path, shipped_config_names
 from epdraft.errors import ConfigError
 from epdraft.layers.step_kernels import quantized_experts_reason
 from epdraft.models.spec import DraftModelSpec
@@ -41,6 +42,8 @@ def main(args: argparse.Namespace) -> int:
     _refuse_parallel_config(args.path)
     config = read_config_json(args.path)
     source = str(_config_file(args.path))
+    if _is_parallel_config(config):
+        raise ConfigError(_to_plan(source, args.path))
     try:
         spec = parse_ffn_config(config)
     except ConfigError as e:
@@ -98,10 +101,19 @@ def _refuse_parallel_config(path: str) -> None:
     p = Path(path)
     by_name = not p.exists() and len(p.parts) == 1 and p.name in shipped_config_names()
     if p.suffix.lower() in _PARALLEL_CONFIG_SUFFIXES or by_name:
-        raise ConfigError(
-            f"{resolve_config_path(p)}: a parallel config, not a model's config.json; "
-            f"check it against a draft with `epdraft plan {path} DRAFT_DIR`"
-        )
+        raise ConfigError(_to_plan(resolve_config_path(p), path))
+
+
+def _is_parallel_config(config: dict) -> bool:
+    """A JSON parallel config: it has a `cluster` section (no model config does), or only the
+    parallel config's sections (cluster, draft, target, placement)."""
+    sections = set(ParallelConfig.__struct_fields__)
+    return "cluster" in config or (bool(config) and set(config) <= sections)
+
+
+def _to_plan(file: str | Path, path: str) -> str:
+    return (f"{file}: a parallel config, not a model's config.json; "
+            f"check it against a draft with `epdraft plan {path} DRAFT_DIR`")  # fmt: skip
 
 
 def _config_file(path: str) -> Path:

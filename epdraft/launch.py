@@ -7,7 +7,8 @@
 One node uses torchrun's `--standalone` rendezvous; several use the static rendezvous on
 `--master-addr:--master-port` (node 0 hosts it), bounded by `cluster.timeout_s`, so a node that never
 starts makes the others exit non-zero naming what did not join. torchrun runs in its own process
-group, which is killed when the launcher exits: no worker outlives it.
+group, which is killed when the launcher exits: no worker outlives it. Its command line is logged at
+DEBUG (`--log-level DEBUG`); OMP_NUM_THREADS, when unset, becomes this host's cores per local rank.
 
 One failure, one message: the workers get a folder (`--failure-dir`) where a failing rank writes its
 one-line reason (`epdraft.parallel.failure`). From the first reason on, what the ranks and
@@ -33,7 +34,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import IO, Callable, Sequence
+from typing import IO, Callable, Mapping, Sequence
 
 from epdraft.config.parallel import ParallelConfig, load_parallel_config
 from epdraft.errors import ConfigError, Interrupted, RankFailed
@@ -128,6 +129,8 @@ def main(args: argparse.Namespace) -> int:
         master_addr=args.master_addr,
         master_port=args.master_port,
         overrides=args.set,
+        # The workers log at the launcher's level (their own default is INFO, so the usual command stays short).
+        worker_args=["--log-level", args.log_level] if args.log_level.upper() != "INFO" else [],
     )
     if args.dry_run:
         print(shlex.join(cmd))
@@ -164,8 +167,8 @@ def run_torchrun(cmd: list[str], pc: ParallelConfig, args: argparse.Namespace) -
 
     `args` carries the launch flags the explanation quotes: config, node_rank, master_addr, master_port.
     """
-    log.info("node %d of %d: %s", args.node_rank, pc.cluster.nnodes, shlex.join(cmd))
-    results, _ = _run_all([cmd])
+    log.debug("node %d of %d: %s", args.node_rank, pc.cluster.nnodes, shlex.join(cmd))
+    results, _ = _run_all([cmd], worker_env(pc.cluster.nproc_per_node))
     returncode, watcher = results[0]
     if returncode != 0:
         _raise_rank_failure(watcher, args.node_rank, pc.cluster.nproc_per_node)
@@ -182,8 +185,8 @@ def run_local_nodes(cmds: Sequence[list[str]], pc: ParallelConfig, args: argpars
     logging what went wrong.
     """
     for node, cmd in enumerate(cmds):
-        log.info("node %d of %d (on this host): %s", node, pc.cluster.nnodes, shlex.join(cmd))
-    results, first_failed = _run_all(cmds)
+        log.debug("node %d of %d (on this host): %s", node, pc.cluster.nnodes, shlex.join(cmd))
+    results, first_failed = _run_all(cmds, worker_env(len(cmds) * pc.cluster.nproc_per_node))
     if first_failed is None:
         return 0
     code, watcher = results[first_failed]
@@ -195,6 +198,20 @@ def run_local_nodes(cmds: Sequence[list[str]], pc: ParallelConfig, args: argpars
         log.error("stopped node%s %s: node %d failed first", "s" if len(stopped) > 1 else "",
                   ", ".join(map(str, stopped)), first_failed)  # fmt: skip
     return code
+
+
+def worker_env(local_ranks: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """torchrun's environment: `environ`, with OMP_NUM_THREADS = this process's usable cores //
+    `local_ranks` (at least 1) when it is unset.
+
+    Unset, torchrun sets 1 itself and prints a banner asking to tune it; cores per local rank is
+    what that banner recommends, and keeps the ranks of one host from oversubscribing its cores.
+    A value the user set is kept.
+    """
+    env = dict(environ)
+    if "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // local_ranks))
+    return env
 
 
 def _raise_rank_failure(watcher: _StderrWatcher, node: int, nproc_per_node: int) -> None:
@@ -263,30 +280,32 @@ class _StderrWatcher(threading.Thread):
             self.root_cause.setdefault(m.group(1), m.group(2))
 
 
-def _run_all(cmds: Sequence[list[str]]) -> tuple[list[tuple[int, _StderrWatcher]], int | None]:
+def _run_all(
+    cmds: Sequence[list[str]], env: Mapping[str, str] | None = None
+) -> tuple[list[tuple[int, _StderrWatcher]], int | None]:
     """Run every command at once, each in its own process group; the first to fail stops the others.
     SIGINT, SIGTERM or SIGHUP stops them all. Leave no process of any of them behind.
 
-    Each command gets `--failure-dir DIR` appended (a worker flag: every command is a torchrun of
-    `epdraft.worker`), a folder shared by all and removed at the end; each watcher holds the
-    failures the ranks wrote there.
+    `env`: every command's environment (None: this process's). Each command gets `--failure-dir DIR`
+    appended (a worker flag: every command is a torchrun of `epdraft.worker`), a folder shared by
+    all and removed at the end; each watcher holds the failures the ranks wrote there.
 
     Returns each command's (exit code, watcher) and the index of the first to fail (None when all
     succeeded). Raises Interrupted, once every process is gone, when a signal stopped them.
     """
     failure_dir = tempfile.mkdtemp(prefix="epdraft-failures-")
     try:
-        return _run_all_reporting(cmds, failure_dir)
+        return _run_all_reporting(cmds, failure_dir, env)
     finally:
         shutil.rmtree(failure_dir, ignore_errors=True)
 
 
 def _run_all_reporting(
-    cmds: Sequence[list[str]], failure_dir: str
+    cmds: Sequence[list[str]], failure_dir: str, env: Mapping[str, str] | None
 ) -> tuple[list[tuple[int, _StderrWatcher]], int | None]:
     procs = [
         subprocess.Popen([*cmd, "--failure-dir", failure_dir], stderr=subprocess.PIPE, text=True, errors="replace",
-                         start_new_session=True)  # fmt: skip
+                         env=env, start_new_session=True)  # fmt: skip
         for cmd in cmds
     ]
     watchers = [_StderrWatcher(proc.stderr, failure_dir) for proc in procs]

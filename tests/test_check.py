@@ -175,6 +175,18 @@ def test_a_parallel_config_file_is_pointed_to_plan(capsys, arg):
                    f"check it against a draft with `epdraft plan {arg} DRAFT_DIR`\n")  # fmt: skip
 
 
+@pytest.mark.parametrize("sections", [("cluster", "draft", "target"), ("cluster",), ("draft", "target", "placement")])
+def test_a_parallel_config_json_is_pointed_to_plan(capsys, tmp_path, sections):
+    full = {"cluster": {"nnodes": 1, "nproc_per_node": 2}, "draft": {"attn_dp": 2}, "target": {"dp": 2},
+            "placement": {"mode": "colocated"}}  # fmt: skip
+    path = tmp_path / "deploy.json"
+    path.write_text(json.dumps({k: full[k] for k in sections}))
+    code, out, err = run_check(capsys, path)
+    assert code == 2 and not out
+    assert err == (f"epdraft check: {path}: a parallel config, not a model's config.json; "
+                   f"check it against a draft with `epdraft plan {path} DRAFT_DIR`\n")  # fmt: skip
+
+
 def test_a_shipped_config_name_is_pointed_to_plan_naming_its_file(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, out, err = run_check(capsys, "local-cpu-4")

@@ -164,7 +164,11 @@ def _three_ranks_ep3(tmp_path):
 
 
 def _text_without_tokenizer(tmp_path):
-    return ["--prompts", str(_prompts(tmp_path, [{"text": "hello"}]))]
+    """The shipped target without its tokenizer files."""
+    target = _copy("tiny-target", tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (target / name).unlink()
+    return ["--target", str(target), "--prompts", str(_prompts(tmp_path, [{"text": "hello"}]))]
 
 
 def _long_prompt(tmp_path):

@@ -1,14 +1,16 @@
 """Train the tiny target/draft pair shipped in `epdraft/assets/` (CPU, a few minutes).
 
     python tools/make_tiny_pair.py [--out epdraft/assets] [--threads 2]
+    python tools/make_tiny_pair.py --tokenizer-only      # (re)write only the target's byte tokenizer
 
 1. A byte-level Qwen3 target (HF `Qwen3ForCausalLM`) trained on a fixed list of the Python standard
    library's own sources (`sysconfig.get_paths()["stdlib"]`); a few other files are held out.
 2. A 2-layer DFlash MoE draft (8 experts, top-2, sigmoid-gated shared expert: SpecForge's qwen3_5_moe
    preset), built from epdraft's own modules, trained with the block mask-filling objective on the
    target's features, with the target's own greedy continuations as labels.
-3. Writes the target (save_pretrained, safetensors), the draft in SpecForge export form, and held-out
-   prompts; reloads both through the real loaders and measures greedy speculative decoding.
+3. Writes the target (save_pretrained, safetensors) with its byte-level tokenizer (`write_byte_tokenizer`),
+   the draft in SpecForge export form, and held-out prompts; reloads both through the real loaders and
+   measures greedy speculative decoding.
 See docs/tiny-pair.md.
 """
 
@@ -48,6 +50,43 @@ TRAIN_FILES = (
     "threading.py timeit.py trace.py traceback.py types.py typing.py warnings.py weakref.py webbrowser.py zipapp.py"
 ).split()
 HELDOUT_FILES = "shlex.py textwrap.py string.py sched.py tokenize.py uuid.py wave.py bdb.py".split()
+
+
+def write_byte_tokenizer(directory: Path) -> None:
+    """Save the target's tokenizer in `directory`: id b is byte b (0..255, no merges, so every byte
+    string round-trips, invalid UTF-8 included), 256-259 the special tokens.
+
+    Bytes are spelled with the ByteLevel byte-to-unicode alphabet GPT-2 uses, so `tokenizers` maps
+    text -> UTF-8 bytes -> ids, and back, with no unknown token; without it `--show` and `--output`
+    could only print ids and `text` prompts could not be read.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 characters standing for the bytes
+    byte_char = _bytes_to_unicode()
+    assert sorted(byte_char.values()) == sorted(alphabet)
+    tok = Tokenizer(models.BPE(vocab={byte_char[b]: b for b in range(256)}, merges=[]))
+    # No regex split and no prefix space: the ids are exactly the text's UTF-8 bytes.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
+    tok.add_special_tokens([*specials.values(), "<|mask|>"])  # ids 256-259: BOS, EOS, PAD, MASK
+    assert [tok.token_to_id(t) for t in (*specials.values(), "<|mask|>")] == [BOS, EOS, PAD, MASK]
+    PreTrainedTokenizerFast(tokenizer_object=tok, **specials).save_pretrained(directory)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what ByteLevel pre-tokenizes bytes into)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
 
 
 def read_corpus(names: list[str]) -> torch.Tensor:
@@ -192,8 +231,13 @@ def main() -> int:
     parser.add_argument("--draft-steps", type=int, default=1000)
     parser.add_argument("--eval-prompts", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer-only", action="store_true",
+                        help="write only the byte-level tokenizer into OUT/tiny-target (no training)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.tokenizer_only:
+        write_byte_tokenizer(args.out / "tiny-target")
+        return 0
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -216,6 +260,7 @@ def main() -> int:
 
     target_dir, draft_dir = args.out / "tiny-target", args.out / "tiny-draft"
     target.save_pretrained(target_dir, safe_serialization=True)
+    write_byte_tokenizer(target_dir)
     draft_dir.mkdir(parents=True, exist_ok=True)
     (draft_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     save_file(to_specforge_state_dict(draft), str(draft_dir / "model.safetensors"), metadata={"format": "pt"})

@@ -13,8 +13,9 @@ steps of one synthetic MoE layer with N random rows per rank, timing sync (StepC
 `cpu` group), dispatch, experts and combine. On CPU sync includes the router and every phase is
 wall clock; on CUDA sync is wall clock, the router runs untimed after it, and dispatch, experts and
 combine are CUDA events (read after a device synchronize at the end of each step). A phase's time
-per step is the slowest rank's; the table shows medians. Prints a table per combination and one
-JSON line per layout and combination.
+per step is the slowest rank's; the table shows medians. Prints a table per combination on stdout;
+`--json FILE` appends one JSON line per layout and combination to FILE (config, device, versions,
+every phase's median), stdout keeping the tables only.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--a2a-backends", default=None,
                         help=f"alltoall backends, comma list of {', '.join(A2A_BACKENDS)} "
                         "(default: torch on cpu, the config's draft.a2a_backend on cuda)")
-    parser.add_argument("--json", type=Path, default=None, help="also append the JSON lines to this file")  # fmt: skip
+    parser.add_argument("--json", type=Path, default=None,
+                        help="append one JSON line per layout and combination to this file (stdout: tables only)")
 
 
 def variants(pc: ParallelConfig, a2a_backends: tuple[str, ...]) -> list[tuple[str, str, str]]:
@@ -338,9 +340,7 @@ def main(args: argparse.Namespace) -> int:
     results.sort(key=lambda r: (args.hidden.index(r["hidden"]), args.top_k.index(r["top_k"]),
                                 args.rows.index(r["rows_per_rank"])))  # fmt: skip
     _print_tables(results, pc, sweep, gpu_name)
-    lines = [json.dumps({**header, **r}) for r in results]
-    print("\n".join(lines))
     if args.json is not None:
         with args.json.open("a") as f:
-            f.write("\n".join(lines) + "\n")
+            f.write("".join(json.dumps({**header, **r}) + "\n" for r in results))
     return 0

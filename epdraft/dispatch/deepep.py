@@ -19,7 +19,9 @@ from epdraft.dispatch.rows import group_counts
 from epdraft.dispatch.layout import MoeLayout
 from epdraft.errors import ConfigError, ParallelError
 
-INSTALL = "pip install 'epdraft[deepep]' (sgl-deep-ep, CUDA 13)"
+# Not an extra: each sgl-deep-ep release pins one torch (0.1.2.post1: torch==2.14.1, CUDA 13) and
+# would replace the user's; README's Extras table says how to match them.
+INSTALL = "pip install sgl-deep-ep built for this torch (0.1.2.post1 pins torch 2.14.1, CUDA 13; README: Extras)"
 _NORMAL_INTERNODE_NODES = (2, 3, 4, 6, 8, 12, 16, 18, 20)  # R / 8 with tuned configs
 _LL_HIDDEN = (2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192)  # hidden sizes the LL kernels are built for
 _MAX_TOPK = 32

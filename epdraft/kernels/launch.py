@@ -80,7 +80,8 @@ def unsupported_reason(device_type: str) -> str | None:
     if device_type != "cuda":
         return f"the Triton kernels run on CUDA, this rank's draft on {device_type}"
     if not triton_installed():
-        return "Triton is not installed (pip install 'epdraft[gpu]')"
+        # torch's Linux CUDA wheels depend on the Triton they were built with; a torch without it needs that one.
+        return "Triton is not installed (it comes with torch's Linux CUDA wheels: pip install torch==2.13.0)"
     return None
 
 

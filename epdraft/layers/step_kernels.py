@@ -190,11 +190,12 @@ def quantized_experts_reason(
     return None
 
 
-def log_choice(kernels: StepKernels) -> None:
-    """Log the choice once per rank (beside the MoE layout's label): a warning for each op that runs
-    its slow torch path on CUDA, a line when a quantized checkpoint is dequantized at load."""
-    log.info("draft step kernels: %s", kernels.label)
+def log_choice(kernels: StepKernels, level: int = logging.INFO) -> None:
+    """Log the choice once per rank (beside the MoE layout's label), its label and a dequantized
+    checkpoint's line at `level` (DEBUG on all but one rank keeps a default run's log short), and
+    a warning for each op that runs its slow torch path on CUDA, at any level."""
+    log.log(level, "draft step kernels: %s", kernels.label)
     for reason in kernels.reasons:
         log.warning("draft step kernels: %s", reason)
     if kernels.dequantized is not None:
-        log.info("%s", kernels.dequantized)
+        log.log(level, "%s", kernels.dequantized)

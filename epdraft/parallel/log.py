@@ -36,7 +36,10 @@ def setup_logging(level: str = "INFO") -> None:
     root.setLevel(level.upper())
 
 
-def info_rank0(log: logging.Logger, group: dist.ProcessGroup | None, msg: str, *args: object) -> None:
-    """Log `msg` at INFO on rank 0 of `group` (the world when None) only; a no-op on every other rank."""
+def info_rank0(
+    log: logging.Logger, group: dist.ProcessGroup | None, msg: str, *args: object, level: int = logging.INFO
+) -> None:
+    """Log `msg` at INFO (or `level`: DEBUG for details a default run does not print) on rank 0 of
+    `group` (the world when None) only; a no-op on every other rank."""
     if not dist.is_initialized() or dist.get_rank(group) == 0:
-        log.info(msg, *args, stacklevel=2)
+        log.log(level, msg, *args, stacklevel=2)

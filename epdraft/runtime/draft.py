@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from epdraft.config.parallel import DEFAULT_HANG_TIMEOUT_S, ParallelConfig
 from epdraft.config.sampling import SamplingParams
@@ -166,8 +167,10 @@ class DraftRuntime:
         dispatcher = make_dispatcher(layout, groups.moe if layout.layout != "replicated" else None)
         if timers is not None and not kernels.graphs:
             dispatcher = TimedDispatcher(dispatcher, timers)
-        log.info("draft MoE layout: %s", layout.label)
-        log_choice(kernels)
+        # A fact of every rank alike: said once, by the group's first rank (the others at DEBUG).
+        level = logging.INFO if dist.get_rank(groups.cpu) == 0 else logging.DEBUG
+        log.log(level, "draft MoE layout: %s", layout.label)
+        log_choice(kernels, level)
         draft = load_draft(draft_path, spec=spec, dtype=dtype, device=device, dispatcher=dispatcher, kernels=kernels)
         coordinator = StepCoordinator(groups.cpu, num_extras=num_extras)
         owns = watchdog is None

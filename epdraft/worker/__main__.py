@@ -111,13 +111,14 @@ def run(pc: ParallelConfig, config_path: str, watchdog: Watchdog, job: RunJob | 
     Returns why the job failed although every rank finished (rank 0: lossless check, no tokens), else None.
     """
     watchdog.progress(phase="groups and health check")
-    info_rank0(log, None, "parallel config %s: %s", config_path, json.dumps(pc.to_dict()))
+    # The config and layout at DEBUG: the summary's first line names the config, its ranks and layout.
+    info_rank0(log, None, "parallel config %s: %s", config_path, json.dumps(pc.to_dict()), level=logging.DEBUG)
     groups = Groups.from_config(pc)
-    info_rank0(log, None, "layout:\n%s", layout_table(pc))
+    info_rank0(log, None, "layout:\n%s", layout_table(pc), level=logging.DEBUG)
     if groups is None:
-        log.info("target-only rank: holds no draft")
+        log.debug("target-only rank: holds no draft")
     else:
-        log.info(
+        log.debug(
             "draft rank: attn_dp %d/%d, moe_ep %d/%d, moe_tp %d/%d",
             groups.dp_rank, groups.dp_size, groups.ep_rank, groups.ep_size, groups.tp_rank, groups.tp_size,
         )
@@ -135,6 +136,8 @@ def run(pc: ParallelConfig, config_path: str, watchdog: Watchdog, job: RunJob | 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)
+    if args.draft and args.log_level.upper() != "DEBUG":
+        _quiet_progress_bars()
     # A rank killed by a signal (SIGSEGV, or SIGABRT from C++) prints every thread's Python stack,
     # and `kill -USR1 PID` prints them from a rank that hangs, without stopping it.
     faulthandler.enable(all_threads=True)
@@ -186,6 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     except EpdraftError as e:  # before the world exists: the config, init
         return _fail(args.failure_dir, 1 if isinstance(e, ParallelError) else 2, str(e))
     return 0 if failed is None else _fail(args.failure_dir, 1, failed)
+
+
+def _quiet_progress_bars() -> None:
+    """Turn off transformers' "Loading weights" bars: every rank draws its own on stderr, interleaved
+    with the others'; `--log-level DEBUG` keeps them. Its warnings and errors still print."""
+    import transformers.utils.logging
+
+    transformers.utils.logging.disable_progress_bar()
 
 
 def _failure(e: BaseException, watchdog: Watchdog | None) -> tuple[int | None, str]:

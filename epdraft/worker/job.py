@@ -143,7 +143,7 @@ def run_job(
         timers=timers, watchdog=watchdog, **pool_limits(pc, job, prompts, mine, spec.block_size),
     )  # fmt: skip
     try:
-        log.info("%d of %d prompts on this rank", len(mine), len(prompts))
+        log.debug("%d of %d prompts on this rank", len(mine), len(prompts))  # the summary has every rank's count
         report = serve_requests(
             target,
             LocalDrafter(runtime),

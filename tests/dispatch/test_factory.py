@@ -117,7 +117,7 @@ def test_layouts_resolve_once_and_build_or_refuse_with_the_key():
     )
     # The first missing piece is named: the package with its install command, else CUDA.
     if importlib.util.find_spec("deep_ep") is None:
-        assert "deep_ep is not installed: pip install 'epdraft[deepep]'" in out["deepep_gloo"]
+        assert "deep_ep is not installed: pip install sgl-deep-ep built for this torch" in out["deepep_gloo"]
     else:
         assert out["deepep_gloo"].endswith("needs CUDA GPUs and none is visible"), out["deepep_gloo"]
     assert out["deepep_gloo"].startswith("ConfigError: draft.a2a_backend = 'deepep' cannot run here: ")

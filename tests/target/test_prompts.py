@@ -1,11 +1,14 @@
 """Prompt files: ids, text through the target's tokenizer, and errors that name the line."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from epdraft.errors import ConfigError
-from epdraft.target.prompts import read_prompts
+from epdraft.target.prompts import load_tokenizer, read_prompts
+
+ASSETS = Path(__file__).resolve().parents[2] / "epdraft" / "assets"
 
 
 def _write(tmp_path, lines):
@@ -29,6 +32,24 @@ def test_text_goes_through_the_targets_tokenizer(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "target")
     p = _write(tmp_path, [json.dumps({"text": "hello world hello"})])
     assert read_prompts(p, tokenizer_dir=tmp_path / "target") == [[1, 2, 1]]
+
+
+def test_the_tiny_targets_tokenizer_is_its_bytes():
+    """Ids 0-255 are the UTF-8 bytes (non-ASCII too), 256-259 BOS, EOS, PAD, MASK; decoding gives the text back."""
+    tok = load_tokenizer(ASSETS / "tiny-target", "test")
+    assert tok.encode("abc") == [97, 98, 99] and tok.decode([97, 98, 99]) == "abc"
+    text = "café → 世界 🙂\n\t"
+    assert tok.encode(text) == list(text.encode()) and tok.decode(tok.encode(text)) == text
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, len(tok)) == (256, 257, 258, 260)
+    assert tok.decode([256, 104, 105, 257], skip_special_tokens=True) == "hi"
+
+
+def test_the_shipped_prompts_text_is_their_input_ids(tmp_path):
+    """Every line's `text`, read as a text prompt through the tiny target's tokenizer, is its `input_ids`."""
+    lines = [json.loads(line) for line in (ASSETS / "prompts.jsonl").read_text().splitlines()]
+    texts = _write(tmp_path, [json.dumps({"text": line["text"]}) for line in lines])
+    assert read_prompts(texts, tokenizer_dir=ASSETS / "tiny-target") == [line["input_ids"] for line in lines]
+    assert len(lines) == 32
 
 
 @pytest.mark.parametrize(

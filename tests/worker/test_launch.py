@@ -54,6 +54,13 @@ def test_multi_node_command_uses_static_rendezvous_bounded_by_timeout():
         torchrun_command(pc, "c.toml", master_port=70000)
 
 
+def test_worker_env_sets_cores_per_local_rank_only_when_unset():
+    cores = len(os.sched_getaffinity(0))
+    assert launch.worker_env(2, {"PATH": "/bin"}) == {"PATH": "/bin", "OMP_NUM_THREADS": str(max(1, cores // 2))}
+    assert launch.worker_env(4 * cores, {})["OMP_NUM_THREADS"] == "1"
+    assert launch.worker_env(2, {"OMP_NUM_THREADS": "7"}) == {"OMP_NUM_THREADS": "7"}
+
+
 def test_dry_run_prints_the_command(capsys):
     assert cli_main(["launch", str(LOCAL_CPU_4), "--node-rank", "1", "--master-port", "29600", *TWO_NODES,
                      "--dry-run"]) == 0  # fmt: skip
@@ -94,7 +101,7 @@ def config_copy(tmp_path) -> Path:
 @pytest.mark.timeout(300)
 def test_two_launches_form_a_four_rank_world(config_copy):
     port = free_port()
-    nodes = [_launch(config_copy, r, port) for r in (0, 1)]
+    nodes = [_launch(config_copy, 0, port), _launch(config_copy, 1, port, "--log-level", "DEBUG")]
     outs = []
     try:
         for p in nodes:
@@ -145,11 +152,11 @@ def test_missing_master_fails_naming_node_0(config_copy):
 def test_ctrl_c_to_the_launcher_is_one_line_exit_130_and_leaves_no_process_behind(config_copy):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "epdraft.cli", "launch", str(config_copy)],
+        [sys.executable, "-m", "epdraft.cli", "launch", str(config_copy), "--log-level", "DEBUG"],
         env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
-        first = launcher.stdout.readline()  # the launcher logs the command just before starting torchrun
+        first = launcher.stdout.readline()  # at DEBUG the launcher logs the command just before starting torchrun
         assert "torch.distributed.run" in first, first
         deadline = time.monotonic() + 60
         while not any("-u -m epdraft.worker" in p for p in _processes_mentioning(str(config_copy))):
