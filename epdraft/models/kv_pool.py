@@ -52,6 +52,7 @@ class KVPool:
             )
         self.max_requests, self.max_context, self.block_size = max_requests, max_context, block_size
         self.pad_slot = max_requests
+        self.dtype = dtype
         shape = (max_requests + 1, num_kv_heads, max_context + block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

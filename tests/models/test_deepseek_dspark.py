@@ -10,7 +10,7 @@ from epdraft.loading import DictSource
 from epdraft.models.checkpoint import load_draft_weights
 from epdraft.models.deepseek_attention import context_window, fp8_ue8m0_roundtrip
 from epdraft.models.deepseek_dspark import DeepseekDSparkDraft
-from epdraft.models.deepseek_names import DeepseekExportSource, to_export_state_dict
+from epdraft.models.deepseek_names import to_export_state_dict
 from epdraft.models.protocol import DRAFT_FAMILIES
 from epdraft.models.spec import DraftModelSpec
 from tests.models.helpers import randomize
@@ -139,7 +139,7 @@ def test_export_names_round_trip():
     with torch.no_grad():
         for p in other.parameters():
             p.zero_()
-    load_draft_weights(other, DeepseekExportSource(DictSource(export), 2))
+    load_draft_weights(other, DictSource(export))
     for (name, a), b in zip(draft.state_dict().items(), other.state_dict().values()):
         assert torch.equal(a, b), name
 
@@ -148,3 +148,35 @@ def test_fp8_roundtrip_matches_power_of_two_scales():
     x = torch.tensor([[0.3, -1.7, 448.0 * 4, 0.0]])
     y = fp8_ue8m0_roundtrip(x)
     assert y[0, 2] == 448.0 * 4 and y[0, 3] == 0 and abs(float(y[0, 1]) + 1.7) < 0.1
+
+
+def test_loader_is_strict_and_takes_official_head_names(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from epdraft.errors import LoadError
+    from epdraft.models import load_draft
+
+    draft = make_draft()
+    export = to_export_state_dict(draft, 2)
+    export["mtp.1.markov_head.markov_w1.weight"] = export.pop("markov_head.markov_w1.weight")  # official naming
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config()))
+    save_file(export, str(tmp_path / "model.safetensors"))
+    loaded = load_draft(tmp_path)
+    assert torch.equal(loaded.markov_head.markov_w1.weight, draft.markov_head.markov_w1.weight)
+    del export["mtp.0.hc_attn_fn"], export["mtp.1.ffn.gate.bias"]
+    save_file(export, str(tmp_path / "model.safetensors"))
+    with pytest.raises(LoadError, match=r"layers\.0\.attn_hc\.fn.*layers\.1\.mlp\.gate\.bias"):
+        load_draft(tmp_path)
+
+
+def test_cuda_graphs_refused():
+    import msgspec
+
+    from epdraft.errors import ConfigError
+    from epdraft.layers.step_kernels import StepKernels
+
+    kernels = msgspec.structs.replace(StepKernels.reference(), graphs=True)
+    with pytest.raises(ConfigError, match="draft.cuda_graphs"):
+        DeepseekDSparkDraft(DraftModelSpec.from_config(tiny_config()), kernels=kernels)
