@@ -5,6 +5,7 @@ Names follow SpecForge: `fc.weight`, `hidden_norm.weight`, `norm.weight`, `layer
 accepts), `markov_head.*`, `confidence_head.*`; an optional `model.` prefix. The draft borrows the
 target's embedding and lm_head, so `embed_tokens.`, `lm_head.`, `rotary_emb.` are skipped as
 SGLang's loader does. Any missing tensor fails the whole load with one LoadError listing them all.
+A DeepSeek-V4 DSpark export (`mtp.{i}.*`) is read through `deepseek_names.DeepseekExportSource`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from epdraft.errors import ConfigError, LoadError
 from epdraft.layers.routed_experts import RoutedExperts
 from epdraft.layers.step_kernels import StepKernels
 from epdraft.loading import TensorSource, open_checkpoint, quantized_source
+from epdraft.models.deepseek_names import DeepseekExportSource
 from epdraft.models.dflash import DFlashDraft
 from epdraft.models.protocol import DRAFT_FAMILIES, DraftModel
 from epdraft.models.spec import DraftModelSpec
@@ -74,6 +76,8 @@ def _strip(name: str) -> str | None:
 
 def load_draft_weights(model: DFlashDraft, source: TensorSource, *, origin: str = "checkpoint") -> None:
     """Copy every draft tensor of `source` into `model`; LoadError lists all missing tensors at once."""
+    if model.spec.kind == "dspark_v4":  # SpecForge's DSparkV4DraftModel export keeps DeepSeek's `mtp.{i}.*` names
+        source = DeepseekExportSource(source, model.spec.num_layers)
     params = {n: p for n, p in model.named_parameters() if not _FFN_NAME.match(n)}
     loaded: set[str] = set()
     unused: list[str] = []

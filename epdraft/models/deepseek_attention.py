@@ -1,7 +1,7 @@
 """DeepSeek DSpark draft attention (V4 and V4.1, issue 31): one shared K=V head, partial interleaved
 RoPE, per-head sinks, grouped low-rank output, block queries over a block-anchored context window.
 
-Not yet wired into the draft models: this is the layer's attention alone, in plain torch (the oracle a
+Served by `DeepseekDSparkDraft` (deepseek_dspark.py); plain torch here (the oracle a
 kernel would be tested against).
 
 Shape legend: N requests, B block rows (the queries), L context positions, S context rows handed to one
@@ -57,6 +57,19 @@ def apply_interleaved_rope(
         sin = -sin
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+def fp8_ue8m0_roundtrip(x: torch.Tensor, group: int = 64) -> torch.Tensor:
+    """x [..., C] rounded through FP8 e4m3 and back, with a power-of-two scale per `group` channels
+    (the whole row when C is not a multiple): what DeepSeek's serving `act_quant(..., "ue8m0")`
+    stores of the K=V row's non-rope channels, and what SpecForge trains DSpark V4 drafts against
+    (`kv_fake_quant`). Scale = 2^ceil(log2(amax / 448)), amax floored at 1e-4; x's dtype back."""
+    group = group if x.shape[-1] % group == 0 else x.shape[-1]
+    g = x.float().unflatten(-1, (-1, group))
+    amax = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+    q = (g / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
+    return q.flatten(-2).to(x.dtype)
 
 
 def context_window(
@@ -135,6 +148,8 @@ class DeepseekDSparkAttention(nn.Module):
         o_b_proj.weight  <- wo_b     [hidden, G * o_lora_rank]
         sinks            <- attn_sink [h] (fp32 in the checkpoint; always applied in fp32)
     They equal transformers' `DeepseekV4Attention` names (its sliding layers: no compressor).
+    `kv_fake_quant`: every K=V row's non-rope channels go through `fp8_ue8m0_roundtrip` (SpecForge V4
+    exports are trained so).
     DeepSeek's FP8 linears must be dequantized before loading (not handled here).
 
     Raises ConfigError for shapes that cannot be laid out (h not divisible by G, R odd or > D).
@@ -153,6 +168,7 @@ class DeepseekDSparkAttention(nn.Module):
         rope_theta: float,
         rms_norm_eps: float,
         q_norm: bool,
+        kv_fake_quant: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ):
@@ -168,6 +184,7 @@ class DeepseekDSparkAttention(nn.Module):
         self.num_heads, self.head_dim, self.rope_head_dim = num_heads, head_dim, rope_head_dim
         self.o_groups, self.o_lora_rank = o_groups, o_lora_rank
         self.rope_theta, self.eps, self.q_norm = rope_theta, rms_norm_eps, q_norm
+        self.kv_fake_quant = kv_fake_quant
         self.scale = head_dim**-0.5
         kw = dict(dtype=dtype, device=device)
         self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False, **kw)
@@ -184,7 +201,11 @@ class DeepseekDSparkAttention(nn.Module):
         return interleaved_rope_cos_sin(positions, self.rope_head_dim, self.rope_theta)
 
     def _kv(self, x_NTH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return apply_interleaved_rope(self.kv_norm(self.kv_proj(x_NTH)), cos, sin)
+        kv = self.kv_norm(self.kv_proj(x_NTH))
+        if self.kv_fake_quant:  # the non-rope channels as DeepSeek's serving stores them (FP8, ue8m0 scales)
+            R = self.rope_head_dim
+            kv = torch.cat([fp8_ue8m0_roundtrip(kv[..., :-R]), kv[..., -R:]], dim=-1) if R < self.head_dim else kv
+        return apply_interleaved_rope(kv, cos, sin)
 
     def context_kv(self, hidden_NLH: torch.Tensor, positions_NL: torch.Tensor) -> torch.Tensor:
         """The shared K=V row [N, L, D] (x's dtype) of each context position: kv_norm(kv_proj(x)),

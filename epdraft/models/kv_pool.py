@@ -52,6 +52,7 @@ class KVPool:
             )
         self.max_requests, self.max_context, self.block_size = max_requests, max_context, block_size
         self.pad_slot = max_requests
+        self.dtype = dtype
         shape = (max_requests + 1, num_kv_heads, max_context + block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -148,3 +149,48 @@ class KVPool:
         knows they need (`readout(request_ids)`)."""
         t = self._sampling
         return SamplingBatch(t.temperature[slots_N], t.top_k[slots_N], t.top_p[slots_N], t.seed[slots_N], readout)
+
+
+class WindowKVPool(KVPool):
+    """A pool of one K=V row per position per layer, keeping each request's last `window` rows only
+    (DeepSeek DSpark drafts: a block sees the `window` context rows before its anchor and nothing
+    older, so older rows are dead): per layer kv [P, window, D], position p in ring row p mod window.
+    Bytes per request are independent of max_context; max_context still bounds a request's length.
+    Each row carries its own rotation, so a reader needs the ring's valid rows, not their order.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        head_dim: int,
+        *,
+        window: int,
+        max_requests: int,
+        max_context: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        super().__init__(0, 1, head_dim, max_requests=max_requests, max_context=max_context, block_size=block_size,
+                         dtype=dtype, device=device)  # fmt: skip
+        self.window = window
+        self.kv = [torch.zeros(max_requests + 1, window, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes the pool holds on its device (the K=V rings of every layer)."""
+        return sum(t.numel() * t.element_size() for t in self.kv)
+
+    def write_rows(self, layer: int, slot: int, start: int, kv_LD: torch.Tensor) -> None:
+        """Context rows of positions [start, start + L) into one slot's ring (only the last `window`
+        of them can survive, so only those are written)."""
+        L = kv_LD.shape[0]
+        keep = min(L, self.window)
+        rows = torch.arange(start + L - keep, start + L, device=kv_LD.device) % self.window
+        self.kv[layer][slot, rows.to(self.kv[layer].device)] = kv_LD[L - keep :]
+
+    def window_of(self, layer: int, slots_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv_NWD [N, window, D], valid_NW [N, window] bool) of the requests' rings: ring row j is
+        valid once written (j < length); on the device, no host sync."""
+        valid_NW = torch.arange(self.window, device=slots_N.device) < self.lengths[slots_N].unsqueeze(1)
+        return self.kv[layer][slots_N], valid_NW

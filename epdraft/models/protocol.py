@@ -13,6 +13,7 @@ import torch
 
 from epdraft.dispatch import Dispatcher, StepPlan
 from epdraft.layers.step_kernels import StepKernels
+from epdraft.models.deepseek_dspark import DeepseekDSparkDraft
 from epdraft.models.dflash import DFlashDraft, TargetHeads
 from epdraft.models.dspark import DSparkDraft
 from epdraft.models.kv_pool import KVPool
@@ -80,4 +81,5 @@ class DraftFamily(Protocol):
 DRAFT_FAMILIES: dict[str, DraftFamily] = {
     "dflash": DFlashDraft,
     "dspark": DSparkDraft,
+    "dspark_v4": DeepseekDSparkDraft,
 }

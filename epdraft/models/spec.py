@@ -24,13 +24,42 @@ row k >= 1 predicts the token at anchor + k, B-1 drafts, verify width B. `autore
 SGLang's default): row k >= 0 predicts the token at anchor + k + 1, B drafts, verify width B + 1."""
 
 _MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class DeepseekDSparkSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The DeepSeek-V4 DSpark layer geometry (SpecForge `DSparkV4DraftModel`): low-rank q, one shared
+    K=V head, grouped low-rank output, a block-anchored context window, mHC residual streams.
+
+    `kv_fake_quant`: the export was trained with the K=V row's non-rope channels rounded through FP8
+    e4m3 with power-of-two scales per 64 channels (SpecForge's QAT of the official serving path's
+    `act_quant(..., "ue8m0")`), so serving applies the same round trip to every K=V row (context and
+    block): without it the draft sees K/V it was not trained on (lossless either way, fewer accepts).
+    """
+
+    variant: Literal["v4"] = "v4"
+    """v4: a parameter-free per-head RMS norm of q (V4.1, without it, has no SpecForge export yet)."""
+    q_lora_rank: PosInt
+    rope_head_dim: PosInt
+    o_groups: PosInt
+    o_lora_rank: PosInt
+    window: Annotated[int, msgspec.Meta(ge=1, description="context rows before the anchor every block query sees")]
+    hc_mult: PosInt
+    hc_sinkhorn_iters: PosInt
+    hc_eps: Annotated[float, msgspec.Meta(gt=0.0)]
+    kv_fake_quant: bool
+
+    @property
+    def q_norm(self) -> bool:
+        return self.variant == "v4"
+
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class DraftModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything a draft needs besides its weights. Build with `from_config`, never directly."""
 
-    kind: Literal["dflash", "dspark"]
+    kind: Literal["dflash", "dspark", "dspark_v4"]
     hidden_size: Annotated[int, msgspec.Meta(ge=1)]
     num_heads: Annotated[int, msgspec.Meta(ge=1)]
     num_kv_heads: Annotated[int, msgspec.Meta(ge=1)]
@@ -51,6 +80,8 @@ class DraftModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = False
     ffn: DraftMixFFNSpec
+    deepseek: DeepseekDSparkSpec | None = None
+    """The DeepSeek layer geometry: set exactly when kind = "dspark_v4"."""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -69,7 +100,11 @@ class DraftModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ConfigError("layer_types has sliding_attention layers but sliding_window is missing")
         if self.ffn.num_layers != self.num_layers:
             raise ConfigError(f"FFN spec has {self.ffn.num_layers} layers, num_hidden_layers is {self.num_layers}")
-        if self.kind == "dspark" and self.markov_rank <= 0:
+        if (self.kind == "dspark_v4") != (self.deepseek is not None):
+            raise ConfigError(f"kind = {self.kind!r}: the DeepSeek layer geometry belongs to dspark_v4 drafts only")
+        if self.deepseek is not None:
+            _check_deepseek(self)
+        if self.kind in ("dspark", "dspark_v4") and self.markov_rank <= 0:
             raise ConfigError(f"markov_rank = {self.markov_rank}: a DSpark draft needs markov_rank > 0")
         if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank <= 0:
             raise ConfigError("confidence_head_with_markov = true needs a Markov head (markov_rank > 0)")
@@ -120,7 +155,8 @@ class DraftModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         projector = tables["dflash_config."].get("projector_type", "")
         markov_rank = pick("markov_rank", 0, prefixed="dspark_markov_rank")
         archs = " ".join(config.get("architectures") or [])
-        kind = "dspark" if projector == "dspark" or "DSpark" in archs or markov_rank else "dflash"
+        v4 = projector == "dspark_v4" or "DSparkV4DraftModel" in archs
+        kind = "dspark_v4" if v4 else "dspark" if projector == "dspark" or "DSpark" in archs or markov_rank else "dflash"
         markov_head_type = pick("markov_head_type", "vanilla", prefixed="dspark_markov_head_type")
         if markov_head_type not in _MARKOV_HEAD_TYPES:
             raise ConfigError(f"{source}: markov_head_type = {markov_head_type!r}: expected one of {list(_MARKOV_HEAD_TYPES)}")
@@ -157,10 +193,66 @@ class DraftModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             "confidence_head_with_markov": pick("confidence_head_with_markov", False),
             "ffn": DraftMixFFNSpec.from_config(config),
         }
+        if v4:
+            raw.update(_deepseek_fields(config, pick, source))
         try:
             return msgspec.convert(raw, cls)
         except msgspec.ValidationError as e:
             raise ConfigError(f"{source}: {e}") from e
+
+
+def _deepseek_fields(config: dict[str, Any], pick: Any, source: str) -> dict[str, Any]:
+    """The raw fields a dspark_v4 spec adds or replaces: the DeepSeek geometry, one window for every
+    layer (not `layer_types`), and the FFN as SpecForge's V4 MoE (sqrtsoftplus, gate.bias selects
+    experts: noaux_tc, one shared expert, clamped SwiGLU)."""
+    preset = config.get("moe_preset", "deepseek_v4")
+    if preset != "deepseek_v4":
+        raise ConfigError(f"{source}: moe_preset = {preset!r}: a DSparkV4DraftModel's MoE is 'deepseek_v4'")
+    if config.get("layer_types") is not None:
+        raise ConfigError(f"{source}: layer_types: a DSparkV4DraftModel windows every layer (sliding_window)")
+    if pick("markov_head_type", "vanilla") != "vanilla":
+        raise ConfigError(f"{source}: markov_head_type = {pick('markov_head_type')!r}: DSparkV4DraftModel has "
+                          "a vanilla Markov head only")
+    variant = pick("attention_variant", "v4")
+    if variant != "v4":
+        raise ConfigError(f"{source}: attention_variant = {variant!r}: only 'v4' (per-head q norm) is supported")
+    deepseek = {
+        "variant": variant,
+        "q_lora_rank": pick("q_lora_rank"),
+        "rope_head_dim": pick("qk_rope_head_dim"),
+        "o_groups": pick("o_groups"),
+        "o_lora_rank": pick("o_lora_rank"),
+        "window": pick("sliding_window"),
+        "hc_mult": pick("hc_mult"),
+        "hc_sinkhorn_iters": pick("hc_sinkhorn_iters"),
+        "hc_eps": pick("hc_eps"),
+        "kv_fake_quant": pick("kv_fake_quant", True),
+    }
+    return {
+        "deepseek": deepseek,
+        "head_dim": pick("head_dim"),
+        "sliding_window": None,
+        "layer_types": ["full_attention"] * config["num_hidden_layers"],
+        "ffn": DraftMixFFNSpec.from_config({**config, "moe_preset": "deepseek_v4"}),
+    }
+
+
+def _check_deepseek(spec: DraftModelSpec) -> None:
+    """ConfigError, naming the config key, for a dspark_v4 geometry the DeepSeek layers cannot lay out."""
+    d = spec.deepseek
+    if spec.num_kv_heads != 1:
+        raise ConfigError(f"num_key_value_heads = {spec.num_kv_heads}: DeepSeek DSpark attention has one K=V head")
+    if spec.num_heads % d.o_groups:
+        raise ConfigError(f"o_groups = {d.o_groups} must divide num_attention_heads = {spec.num_heads}")
+    if d.rope_head_dim % 2 or d.rope_head_dim > spec.head_dim:
+        raise ConfigError(f"qk_rope_head_dim = {d.rope_head_dim} must be even and <= head_dim = {spec.head_dim}")
+    if spec.attention_bias:
+        raise ConfigError("attention_bias = true: DeepSeek DSpark attention has no biases")
+    if spec.markov_head_type != "vanilla":
+        raise ConfigError(f"markov_head_type = {spec.markov_head_type!r}: DSparkV4DraftModel's is vanilla")
+    if spec.enable_confidence_head and not spec.confidence_head_with_markov:
+        raise ConfigError("confidence_head_with_markov = false: DSparkV4DraftModel's confidence head always "
+                          "reads the Markov embedding")
 
 
 def _default_head_dim(hidden: Any, heads: Any, source: str) -> int:

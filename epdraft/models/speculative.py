@@ -62,7 +62,7 @@ def speculative_generate(
         tokens, accept_lens = [int(anchor[0])], []
         while len(tokens) < max_new_tokens:
             step = draft.step(pool, slots_N, anchor.to(draft.device), target, None, readout=Readout.of([params]))
-            check_finite(step.finite_L, "one request's block", pool.k[0].dtype)
+            check_finite(step.finite_L, "one request's block", pool.dtype)
             drafts = step.drafts_NK
             block = torch.cat([anchor.to(drafts.device).unsqueeze(1), drafts], dim=1)
             result = target.verify([request_id], block, step.probs_NKV)

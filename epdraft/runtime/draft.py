@@ -304,7 +304,7 @@ class DraftRuntime:
         if self._finite_L is not None:
             finite_L, self._finite_L = self._finite_L, None
             try:
-                check_finite(finite_L, f"{len(result.request_ids)} requests verified", self.pool.k[0].dtype)
+                check_finite(finite_L, f"{len(result.request_ids)} requests verified", self.pool.dtype)
             except NonFiniteError as e:
                 raise self._failed(NonFiniteError(f"rank {self.coordinator.rank} at step {self._step}: {e}")) from None
         with self._phase("draft_context"):

@@ -1,0 +1,250 @@
+"""DeepseekDSparkDraft: SpecForge's DeepSeek-V4 DSpark draft (`DSparkV4DraftModel`, issue 31), served.
+
+Each request's context is the fused target features main = main_norm(main_proj(features)); every
+layer projects it to one K=V row per position (`DeepseekDSparkAttention.context_kv`), of which the
+pool keeps the last `window` (`WindowKVPool`). A step embeds the blocks [anchor, MASK x (B-1)] at
+positions length .. length + B - 1, copies them to hc_mult residual streams and runs the layers:
+
+    streams = attn_hc(streams, attn(attn_norm(.)))   # window rows before the anchor + the whole block
+    streams = ffn_hc(streams, mlp(ffn_norm(.)))      # once over ALL the rank's N * B rows (N may be 0)
+
+then `HyperHead` collapses the streams (the pre-norm hidden, which the confidence head reads), the
+final norm and the target's lm_head give base logits, and the vanilla Markov head decodes the drafts
+semi-autoregressively (`MarkovHead`, SpecForge's `VanillaMarkovHead` names). The confidence head is
+SpecForge's `DSparkV4ConfidenceHead`: bias-free fp32 proj over [pre-norm hidden, markov_w1(prev)],
+read out through a sigmoid as an accept probability.
+
+Plain torch only: the attention has no Triton kernel and the step is not captured in a CUDA graph
+(`__init__` refuses kernels or graphs that would pick another path).
+
+Shape legend: N requests, B block rows, H hidden, c hc_mult streams, W window, D head_dim, k drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from epdraft.dispatch import Dispatcher, StepPlan
+from epdraft.errors import ConfigError
+from epdraft.layers.build import build_ffn
+from epdraft.layers.mlp import DraftMLP
+from epdraft.layers.moe import DraftMoE
+from epdraft.layers.step_kernels import StepKernels
+from epdraft.models.deepseek_attention import DeepseekDSparkAttention, DeepseekRMSNorm
+from epdraft.models.dflash import SampledReadout, TargetHeads
+from epdraft.models.dspark import MarkovHead
+from epdraft.models.hyper_connections import HyperConnection, HyperHead, Streams, enter_streams
+from epdraft.models.kv_pool import WindowKVPool
+from epdraft.models.spec import DraftModelSpec
+from epdraft.models.step import DraftStep
+from epdraft.sampling import Readout
+
+
+class DeepseekDSparkLayer(nn.Module):
+    """One `mtp.{i}` stage: mHC-wrapped attention over [window, block], mHC-wrapped FFN over all rows."""
+
+    def __init__(
+        self,
+        spec: DraftModelSpec,
+        layer_id: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        dispatcher: Dispatcher | None,
+        kernels: StepKernels,
+    ):
+        super().__init__()
+        d, H, eps = spec.deepseek, spec.hidden_size, spec.rms_norm_eps
+        hc = dict(hc_mult=d.hc_mult, sinkhorn_iters=d.hc_sinkhorn_iters, hc_eps=d.hc_eps, norm_eps=eps,
+                  single_pass=False, device=device)  # fmt: skip
+        self.attn_hc = HyperConnection(H, **hc)
+        self.attn_norm = DeepseekRMSNorm(H, eps, dtype=dtype, device=device)
+        self.attn = DeepseekDSparkAttention(
+            H, spec.num_heads, d.q_lora_rank, spec.head_dim, d.rope_head_dim, d.o_groups, d.o_lora_rank,
+            rope_theta=spec.rope_theta, rms_norm_eps=eps, q_norm=d.q_norm, kv_fake_quant=d.kv_fake_quant,
+            dtype=dtype, device=device,
+        )  # fmt: skip
+        self.ffn_hc = HyperConnection(H, **hc)
+        self.ffn_norm = DeepseekRMSNorm(H, eps, dtype=dtype, device=device)
+        self.mlp: DraftMLP | DraftMoE = build_ffn(spec.ffn, layer_id, H, dtype=dtype, device=device,
+                                                  dispatcher=dispatcher, kernels=kernels)  # fmt: skip
+
+    def forward(
+        self,
+        streams: Streams,
+        positions_NB: torch.Tensor,
+        kv_ctx_NSD: torch.Tensor,
+        ctx_valid_NS: torch.Tensor,
+        plan: StepPlan | None,
+    ) -> Streams:
+        """Streams of N * B rows (request-major) -> new streams; attention is skipped for N = 0, the
+        FFN never is (a communicating MoE layer's collectives need every rank, with `plan`)."""
+        N, B = positions_NB.shape
+        h_TH, m = self.attn_hc.read_input(streams)
+        if N:
+            h_TH = self.attn(self.attn_norm(h_TH).view(N, B, -1), positions_NB, kv_ctx_NSD, ctx_valid_NS).flatten(0, 1)
+        streams = self.attn_hc.write_output(h_TH, streams, m)  # N = 0: h_TH is [0, H], nothing is written
+        h_TH, m = self.ffn_hc.read_input(streams)
+        return self.ffn_hc.write_output(self.mlp(self.ffn_norm(h_TH), plan), streams, m)
+
+
+class DeepseekDSparkDraft(nn.Module):
+    """The DeepSeek-V4 DSpark draft (kind "dspark_v4"). Parameters: `main_proj`, `main_norm`,
+    `layers.{i}.{attn_hc,attn_norm,attn,ffn_hc,ffn_norm,mlp}.*`, `hc_head.*`, `norm`, `markov_head.*`,
+    `confidence_head.proj.weight`; `epdraft.models.deepseek_names` maps SpecForge's `mtp.*` export
+    names onto them.
+
+    `kernels`: the rank's resolved compute for the FFN (None: resolved for `device`, `dtype`, the
+    spec and the dispatcher's layout). Raises ConfigError for kernels that capture CUDA graphs: this
+    step has not been made capturable.
+    """
+
+    def __init__(
+        self,
+        spec: DraftModelSpec,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        dispatcher: Dispatcher | None = None,
+        kernels: StepKernels | None = None,
+    ):
+        super().__init__()
+        if spec.deepseek is None:
+            raise ConfigError(f"kind = {spec.kind!r}: DeepseekDSparkDraft serves dspark_v4 drafts only")
+        if kernels is None:
+            layout = dispatcher.layout if dispatcher is not None else None
+            kernels = StepKernels.resolve(device, dtype, ffn=spec.ffn, layout=layout)
+        if kernels.graphs:
+            raise ConfigError("draft.cuda_graphs = true: a dspark_v4 draft's step is not capturable yet")
+        self.spec, self.kernels = spec, kernels
+        H, d = spec.hidden_size, spec.deepseek
+        self.main_proj = nn.Linear(spec.num_target_features * H, H, bias=False, dtype=dtype, device=device)
+        self.main_norm = DeepseekRMSNorm(H, spec.rms_norm_eps, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DeepseekDSparkLayer(spec, i, dtype=dtype, device=device, dispatcher=dispatcher, kernels=kernels)
+            for i in range(spec.num_layers)
+        )
+        self.hc_head = HyperHead(H, hc_mult=d.hc_mult, hc_eps=d.hc_eps, norm_eps=spec.rms_norm_eps, device=device)
+        self.norm = DeepseekRMSNorm(H, spec.rms_norm_eps, dtype=dtype, device=device)
+        self.markov_head = MarkovHead("vanilla", spec.vocab_size, spec.markov_rank, H, dtype=dtype, device=device,
+                                      fused_sampling=kernels.sampling == "triton")  # fmt: skip
+        # The export always holds the confidence head; `enable_confidence_head` says whether to report it.
+        self.confidence_head = nn.Module()
+        self.confidence_head.proj = nn.Linear(H + spec.markov_rank, 1, bias=False, dtype=torch.float32, device=device)
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def num_drafts(self) -> int:
+        return self.spec.num_drafts
+
+    @property
+    def device(self) -> torch.device:
+        return self.main_proj.weight.device
+
+    @property
+    def window(self) -> int:
+        return self.spec.deepseek.window
+
+    def fuse_features(self, features_LF: torch.Tensor) -> torch.Tensor:
+        """main [..., H] = main_norm(main_proj(features)), features [..., K*H] in target_layer_ids order."""
+        return self.main_norm(self.main_proj(features_LF.to(self.main_proj.weight.dtype)))
+
+    def new_pool(self, *, max_requests: int, max_context: int) -> WindowKVPool:
+        """Rings of the last `window` K=V rows per request and layer, in the weights' dtype and device."""
+        return WindowKVPool(
+            self.spec.num_layers, self.spec.head_dim, window=self.window, max_requests=max_requests,
+            max_context=max_context, block_size=self.block_size, dtype=self.main_proj.weight.dtype,
+            device=self.device,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def extend(self, pool: WindowKVPool, request_ids: Sequence[int], features: Sequence[torch.Tensor]) -> None:
+        """Append each request's committed rows' target features [L_i, K*H] to its ring (local, no
+        FFN): one fuse and one K=V projection per layer over all the requests' rows. Raises
+        RequestError naming draft.max_context (before writing anything) when a request outgrows it."""
+        for rid, f in zip(request_ids, features):
+            pool.check_room(rid, f.shape[0])
+        lens = [f.shape[0] for f in features]
+        if sum(lens):
+            starts = [pool.length(rid) for rid in request_ids]
+            main_1LH = self.fuse_features(torch.cat(list(features)).to(self.device)).unsqueeze(0)
+            positions_1L = torch.cat([torch.arange(s, s + n, device=self.device) for s, n in zip(starts, lens)])
+            for layer_id, layer in enumerate(self.layers):
+                kv_LD = layer.attn.context_kv(main_1LH, positions_1L.unsqueeze(0))[0]
+                for rid, start, kv in zip(request_ids, starts, kv_LD.split(lens)):
+                    if kv.shape[0]:
+                        pool.write_rows(layer_id, pool.slot(rid), start, kv)
+        for rid, n in zip(request_ids, lens):
+            pool.commit(rid, n)
+
+    @torch.no_grad()
+    def step(
+        self,
+        pool: WindowKVPool,
+        slots_N: torch.Tensor,
+        anchors_N: torch.Tensor,
+        heads: TargetHeads,
+        plan: StepPlan | None,
+        *,
+        readout: Readout = Readout.ARGMAX,
+    ) -> DraftStep:
+        """The draft step of N requests (N may be 0: every MoE layer still enters its collectives
+        with `plan`), each block reading its request's ring; drafts as `DFlashDraft.step` returns them."""
+        lengths_N = pool.lengths[slots_N].long()
+        windows = [pool.window_of(i, slots_N) for i in range(self.spec.num_layers)]
+        prenorm_NBH, finite_L = self.block_hidden(anchors_N, lengths_N, windows, heads, plan)
+        sampling = None
+        if readout is not Readout.ARGMAX:
+            sampling = SampledReadout(pool.sampling_of(slots_N, readout), lengths_N + 1)
+        drafts_NK, confidence_NK, probs_NKV = self.read_out(self.draft_rows(prenorm_NBH), anchors_N, heads, sampling)
+        return DraftStep(drafts_NK, finite_L, confidence_NK, probs_NKV)
+
+    def block_hidden(
+        self,
+        anchors_N: torch.Tensor,
+        lengths_N: torch.Tensor,
+        windows: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        heads: TargetHeads,
+        plan: StepPlan | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pre-norm hidden [N, B, H] of the blocks at positions length .., [num_layers] bool: each
+        layer's streams stayed finite). windows[i] = (kv [N, S, D], valid [N, S]): layer i's context
+        rows of each request (the pool's ring, or a reference's gathered window)."""
+        N, B, H = anchors_N.shape[0], self.block_size, self.spec.hidden_size
+        positions_NB = lengths_N.unsqueeze(1) + torch.arange(B, device=self.device)
+        ids_NB = torch.full((N, B), self.spec.mask_token_id, dtype=torch.long, device=self.device)
+        ids_NB[:, 0] = anchors_N.to(self.device)
+        x_TH = heads.embed(ids_NB).to(self.main_proj.weight.dtype).reshape(N * B, H)
+        streams = enter_streams(x_TH, self.spec.deepseek.hc_mult, single_pass=False)
+        finite = []
+        for layer, (kv_NSD, valid_NS) in zip(self.layers, windows):
+            streams = layer(streams, positions_NB, kv_NSD, valid_NS, plan)
+            finite.append(torch.isfinite(streams.x_NcH).all())
+        return self.hc_head(streams.x_NcH).view(N, B, H), torch.stack(finite)
+
+    def draft_rows(self, hidden_NBH: torch.Tensor) -> torch.Tensor:
+        """The block rows that draft a token: rows 1..B-1 (mask-filling) or 0..B-1 (autoregressive)."""
+        return hidden_NBH[:, 1:] if self.spec.readout == "mask_filling" else hidden_NBH
+
+    def read_out(
+        self,
+        prenorm_NkH: torch.Tensor,
+        anchors_N: torch.Tensor,
+        heads: TargetHeads,
+        sampling: SampledReadout | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(drafts [N, k], confidence [N, k] fp32 or None, q [N, k, V] fp32 or None) from the drafting
+        rows' PRE-norm hidden (the confidence head reads it; the lm_head reads it normed)."""
+        hidden_NkH = self.norm(prenorm_NkH)
+        drafts, probs = self.markov_head.decode(heads.lm_head(hidden_NkH), hidden_NkH, anchors_N, sampling)
+        if not self.spec.enable_confidence_head:
+            return drafts, None, probs
+        prev_Nk = torch.cat([anchors_N.to(drafts.device).unsqueeze(1), drafts[:, :-1]], dim=1)
+        inputs = torch.cat([prenorm_NkH.float(), self.markov_head.markov_w1(prev_Nk).float()], dim=-1)
+        return drafts, torch.sigmoid(self.confidence_head.proj(inputs)).squeeze(-1), probs

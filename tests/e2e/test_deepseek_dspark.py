@@ -1,0 +1,29 @@
+"""`epdraft run` with a tiny random DeepSeek-V4 DSpark draft (tools/make_deepseek_dspark_draft.py) on
+1 CPU rank (replicated) and 2 (alltoall): lossless, every request served."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_run import CASES, run_epdraft
+
+REPO = Path(__file__).resolve().parents[2]
+LAYOUTS = ["1rank-replicated", "2rank-alltoall"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_deepseek_dspark_run_is_lossless(layout, tmp_path):
+    made = subprocess.run([sys.executable, str(REPO / "tools" / "make_deepseek_dspark_draft.py"), str(tmp_path / "draft")],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    args = [*CASES[layout], "--draft", str(tmp_path / "draft"), "--max-prompts", "3", "--max-new-tokens", "16"]
+    proc, summary = run_epdraft(args, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert summary is not None and summary["lossless"] is True, proc.stdout
+    assert summary["requests"] == 3 and not summary["failed_requests"]
+    assert summary["generated_tokens"] == 3 * 16
