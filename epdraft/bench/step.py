@@ -234,6 +234,9 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("epdraft bench step times the GPU step: it needs CUDA")
     config = read_config_json(args.draft) if args.draft else preset_config(PRESETS[args.preset])
     spec = DraftModelSpec.from_config(config)
+    if spec.kind == "dspark_v4":
+        raise ConfigError(f"--draft {args.draft}: a DeepSeek DSpark (dspark_v4) draft has no GPU step to time yet "
+                          "(its attention runs in torch, its pool is a window ring; issue 31)")  # fmt: skip
     device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
     torch.manual_seed(0)
     draft = DRAFT_FAMILIES[spec.kind](spec, dtype=dtype, device=device, dispatcher=None).eval()

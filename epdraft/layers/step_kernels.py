@@ -105,12 +105,15 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
         ffn: DraftMixFFNSpec | None = None,
         layout: MoeLayout | None = None,
         graphs: bool = False,
+        deepseek_attention: bool = False,
     ) -> StepKernels:
         """The fastest implementation of each op that can run on `device` in `dtype` for this draft.
 
         `ffn`: the draft's FFN spec (its quantization and MoE layers decide the experts' storage);
         `layout`: the rank's MoE layout (a moe_tp slice keeps no quantized experts; graphs need a
-        capturable dispatch); `graphs`: `draft.cuda_graphs`.
+        capturable dispatch); `graphs`: `draft.cuda_graphs`; `deepseek_attention`: the draft is a
+        DeepSeek DSpark draft, whose attention (one shared K=V head, sinks, a window ring) has no
+        kernel yet and whose step is not capturable yet.
 
         Raises ConfigError naming draft.cuda_graphs when graphs are asked for and the step cannot
         be captured here (CPU, a dispatch that syncs with the host, experts on the reference loop).
@@ -118,6 +121,8 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
         device_type = torch.device(device).type
         has_moe = ffn is not None and bool(ffn.moe_layers)
         why = {op: unsupported_reason(device_type, dtype) for op, (_, _, unsupported_reason) in FAMILIES.items()}
+        if deepseek_attention and why["attention"] is None:
+            why["attention"] = "the DeepSeek DSpark attention runs its torch path (no kernel yet, issue 31)"
         tp_size = layout.tp_size if layout is not None else 1
         quantized_why = quantized_experts_reason(ffn, tp_size=tp_size, device_type=device_type, dtype=dtype)
         quantized_why = quantized_why or why["experts"]
@@ -135,6 +140,9 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
             dequantized=dequantized,
         )
         if graphs:
+            if deepseek_attention:
+                raise ConfigError("draft.cuda_graphs = true: a DeepSeek DSpark (dspark_v4) draft's step is not "
+                                  "capturable yet (issue 31); set draft.cuda_graphs = false")  # fmt: skip
             kernels._check_capturable(device_type, layout, why["experts"] if has_moe else None)
         return kernels
 

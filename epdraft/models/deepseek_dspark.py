@@ -116,7 +116,7 @@ class DeepseekDSparkDraft(nn.Module):
             raise ConfigError(f"kind = {spec.kind!r}: DeepseekDSparkDraft serves dspark_v4 drafts only")
         if kernels is None:
             layout = dispatcher.layout if dispatcher is not None else None
-            kernels = StepKernels.resolve(device, dtype, ffn=spec.ffn, layout=layout)
+            kernels = StepKernels.resolve(device, dtype, ffn=spec.ffn, layout=layout, deepseek_attention=True)
         if kernels.graphs:
             raise ConfigError("draft.cuda_graphs = true: a dspark_v4 draft's step is not capturable yet")
         self.spec, self.kernels = spec, kernels

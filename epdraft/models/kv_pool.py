@@ -1,6 +1,7 @@
-"""KVPool: the draft's context K/V of every request of a rank, preallocated once, written in place.
+"""The draft's context K/V of every request of a rank, preallocated once, written in place.
 
-Per layer k, v [P, g, C, D]: P = max_requests slots plus one pad slot (the rows a CUDA-graph
+`RequestSlots` is what every pool shares (slots, lengths, sampling); `KVPool` holds DFlash/DSpark's
+context: per layer k, v [P, g, C, D]: P = max_requests slots plus one pad slot (the rows a CUDA-graph
 bucket pads with attend to it), C = max_context + block_size rows. A request owns one slot for
 its lifetime; its committed context rows [0, length) are appended by `extend`, and each draft
 step writes its block's K/V to rows [length, length + B), where the next commit overwrites them
@@ -8,7 +9,8 @@ step writes its block's K/V to rows [length, length + B), where the next commit 
 admitted is ever moved, evicted or overwritten by another request.
 
 Each slot also holds its request's sampling parameters on the device (the pad slot greedy), so a
-captured step gathers them by the same slot index as the context (`sampling_of`).
+captured step gathers them by the same slot index as the context (`sampling_of`). `WindowKVPool`
+holds a DeepSeek DSpark draft's: one K=V row per position, the last `window` of them only.
 """
 
 from __future__ import annotations
@@ -24,27 +26,15 @@ from epdraft.sampling import Readout, SamplingBatch
 GREEDY = SamplingParams()
 
 
-class KVPool:
-    """Fixed-size context K/V of up to `max_requests` requests of `max_context` rows each.
-
-    Args:
-        num_layers, num_kv_heads, head_dim: the draft's attention shape.
-        max_requests / max_context: the limits (`draft.max_requests`, `draft.max_context`); a
-            request beyond either is refused with a RequestError naming the key.
-        block_size: B, the rows each step's block adds after the context.
+class RequestSlots:
+    """What every pool keeps beside its rows: which request owns which slot, each slot's committed
+    length (on the host and the device) and its sampling, under the limits `max_requests` /
+    `max_context` (a request beyond either is refused with a RequestError naming the key). Slot
+    `max_requests` is the pad slot that a CUDA-graph bucket's padding rows read.
     """
 
     def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        *,
-        max_requests: int,
-        max_context: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
+        self, *, max_requests: int, max_context: int, block_size: int, dtype: torch.dtype, device: torch.device | str
     ):
         if max_requests < 1 or max_context < 1:
             raise RequestError(
@@ -53,20 +43,12 @@ class KVPool:
         self.max_requests, self.max_context, self.block_size = max_requests, max_context, block_size
         self.pad_slot = max_requests
         self.dtype = dtype
-        shape = (max_requests + 1, num_kv_heads, max_context + block_size, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = torch.zeros(max_requests + 1, dtype=torch.int32, device=device)
         self._host_lengths = [0] * (max_requests + 1)
         self._params = [GREEDY] * (max_requests + 1)
         self._sampling = SamplingBatch.of(self._params, device)  # row = slot; its `readout` is unused
         self._slots: dict[int, int] = {}
         self._free = list(range(max_requests - 1, -1, -1))  # pop() hands out slot 0 first
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes the pool holds on its device (K and V of every layer)."""
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
     def __contains__(self, request_id: int) -> bool:
         return request_id in self._slots
@@ -123,12 +105,6 @@ class KVPool:
                 f"request {request_id}: {length} + {rows} context rows exceed draft.max_context = {self.max_context}"
             )
 
-    def write(self, layer: int, slot: int, start: int, k_gLD: torch.Tensor, v_gLD: torch.Tensor) -> None:
-        """Rows [start, start + L) of one slot's layer (context rows, by `extend`)."""
-        end = start + k_gLD.shape[1]
-        self.k[layer][slot, :, start:end] = k_gLD
-        self.v[layer][slot, :, start:end] = v_gLD
-
     def commit(self, request_id: int, rows: int) -> None:
         """Advance a request's length once every layer has its `rows` new context rows."""
         slot = self.slot(request_id)
@@ -151,7 +127,46 @@ class KVPool:
         return SamplingBatch(t.temperature[slots_N], t.top_k[slots_N], t.top_p[slots_N], t.seed[slots_N], readout)
 
 
-class WindowKVPool(KVPool):
+class KVPool(RequestSlots):
+    """Fixed-size context K/V of up to `max_requests` requests of `max_context` rows each: per layer
+    k, v [P, g, C, D] (`RequestSlots` for the limits and the bookkeeping).
+
+    Args:
+        num_layers, num_kv_heads, head_dim: the draft's attention shape.
+        block_size: B, the rows each step's block adds after the context.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        max_requests: int,
+        max_context: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        super().__init__(max_requests=max_requests, max_context=max_context, block_size=block_size, dtype=dtype,
+                         device=device)  # fmt: skip
+        shape = (max_requests + 1, num_kv_heads, max_context + block_size, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes the pool holds on its device (K and V of every layer)."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    def write(self, layer: int, slot: int, start: int, k_gLD: torch.Tensor, v_gLD: torch.Tensor) -> None:
+        """Rows [start, start + L) of one slot's layer (context rows, by `extend`)."""
+        end = start + k_gLD.shape[1]
+        self.k[layer][slot, :, start:end] = k_gLD
+        self.v[layer][slot, :, start:end] = v_gLD
+
+
+class WindowKVPool(RequestSlots):
     """A pool of one K=V row per position per layer, keeping each request's last `window` rows only
     (DeepSeek DSpark drafts: a block sees the `window` context rows before its anchor and nothing
     older, so older rows are dead): per layer kv [P, window, D], position p in ring row p mod window.
@@ -171,8 +186,8 @@ class WindowKVPool(KVPool):
         dtype: torch.dtype,
         device: torch.device | str,
     ):
-        super().__init__(0, 1, head_dim, max_requests=max_requests, max_context=max_context, block_size=block_size,
-                         dtype=dtype, device=device)  # fmt: skip
+        super().__init__(max_requests=max_requests, max_context=max_context, block_size=block_size, dtype=dtype,
+                         device=device)  # fmt: skip
         self.window = window
         self.kv = [torch.zeros(max_requests + 1, window, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
 

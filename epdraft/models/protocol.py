@@ -16,9 +16,10 @@ from epdraft.layers.step_kernels import StepKernels
 from epdraft.models.deepseek_dspark import DeepseekDSparkDraft
 from epdraft.models.dflash import DFlashDraft, TargetHeads
 from epdraft.models.dspark import DSparkDraft
-from epdraft.models.kv_pool import KVPool
+from epdraft.models.kv_pool import RequestSlots
 from epdraft.models.spec import DraftModelSpec
 from epdraft.models.step import DraftStep
+from epdraft.sampling import Readout
 
 
 class DraftModel(Protocol):
@@ -45,19 +46,28 @@ class DraftModel(Protocol):
         """Where the draft's weights live."""
         ...
 
-    def new_pool(self, *, max_requests: int, max_context: int) -> KVPool:
-        """The KV pool of the requests' context K/V, allocated once."""
+    def new_pool(self, *, max_requests: int, max_context: int) -> RequestSlots:
+        """The pool of the requests' context, allocated once, in the family's own layout (`KVPool`:
+        k and v of every row; `WindowKVPool`: one K=V row of the last window rows)."""
         ...
 
-    def extend(self, pool: KVPool, request_ids: Sequence[int], features: Sequence[torch.Tensor]) -> None:
+    def extend(self, pool: RequestSlots, request_ids: Sequence[int], features: Sequence[torch.Tensor]) -> None:
         """Append each request's committed rows' target features [L_i, K*H] to its context (local, no FFN)."""
         ...
 
     def step(
-        self, pool: KVPool, slots_N: torch.Tensor, anchors_N: torch.Tensor, heads: TargetHeads, plan: StepPlan | None
+        self,
+        pool: RequestSlots,
+        slots_N: torch.Tensor,
+        anchors_N: torch.Tensor,
+        heads: TargetHeads,
+        plan: StepPlan | None,
+        *,
+        readout: Readout = Readout.ARGMAX,
     ) -> DraftStep:
         """Drafts for N requests (N may be 0: every MoE layer still enters its collectives with
-        `plan`), on the device, with no host sync: a CUDA graph can hold it."""
+        `plan`), on the device, with no host sync: a CUDA graph can hold it. `readout`: argmax, or
+        each draft sampled with its request's sampling and q returned (`DraftStep.probs_NKV`)."""
         ...
 
     def modules(self) -> Iterator[torch.nn.Module]: ...

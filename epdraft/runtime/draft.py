@@ -12,7 +12,7 @@ every rank, every step, in the same order:
 draft layer once over all of the rank's rows, handing the agreed plan to every MoE layer, so each
 MoE collective is entered exactly once per layer per step by every rank.
 
-Context K/V live in a KVPool sized once (`max_requests` x `max_context` rows), written in place by
+Context K/V live in the draft's pool (a KVPool, or a WindowKVPool) sized once (`max_requests` x `max_context` rows), written in place by
 `add_request` / `commit`; with `kernels.graphs` the step is replayed from a CUDA graph per batch
 bucket (`epdraft.runtime.graphs`). Which kernel runs each op of the step is resolved once, in
 `build` (`StepKernels`), logged beside the MoE layout and reported in the run summary.
@@ -163,7 +163,8 @@ class DraftRuntime:
         """
         spec = spec if spec is not None else read_draft_spec(draft_path)
         dtype = dtype if dtype is not None else default_dtype(device)
-        kernels = StepKernels.resolve(device, dtype, ffn=spec.ffn, layout=layout, graphs=graphs)
+        kernels = StepKernels.resolve(device, dtype, ffn=spec.ffn, layout=layout, graphs=graphs,
+                                      deepseek_attention=spec.kind == "dspark_v4")  # fmt: skip
         dispatcher = make_dispatcher(layout, groups.moe if layout.layout != "replicated" else None)
         if timers is not None and not kernels.graphs:
             dispatcher = TimedDispatcher(dispatcher, timers)
