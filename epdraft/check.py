@@ -66,7 +66,9 @@ def format_plan(
     `draft` (a DFlash / DSpark draft's spec) adds its block, readout and heads to the header and
     gives each layer's attention; else `attention` (per layer, e.g. from a target's layer_types).
     """
-    if draft is not None:
+    if draft is not None and draft.deepseek is not None:
+        attention = (draft.deepseek.describe(draft.num_heads, draft.head_dim),) * draft.num_layers
+    elif draft is not None:
         attention = tuple("full" if draft.window(i) is None else f"sliding {draft.window(i)}" for i in range(draft.num_layers))
     attention = attention or ("full",) * spec.num_layers
     stored = {_stored_format(layer) for layer in spec.layers if isinstance(layer, DraftMoeFFNSpec)}

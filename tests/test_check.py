@@ -207,3 +207,13 @@ def test_module_entry_point_subprocess():
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=100)
     assert done.returncode == 0, done.stderr
     assert "family qwen3_moe" in done.stdout and "0-47" in done.stdout and "128 x 768" in done.stdout
+
+
+def test_deepseek_dspark_draft_shows_its_attention_window_and_mhc(capsys, tmp_path):
+    """SpecForge's DeepSeek-V4 DSpark export config: the attention kind, window, heads and mHC per layer."""
+    config = Path(__file__).resolve().parent / "fixtures" / "deepseek_v4_flash_dspark_config.json"
+    (tmp_path / "config.json").write_bytes(config.read_bytes())
+    assert cli.main(["check", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "dspark_v4 block 5" in out and "markov vanilla r256" in out
+    assert "deepseek v4: 64 q heads over 1 K=V head 512 (rope 64, sinks), window 128, o 8x1024; mHC x4" in out

@@ -53,6 +53,12 @@ class DeepseekDSparkSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     def q_norm(self) -> bool:
         return self.variant == "v4"
 
+    def describe(self, num_heads: int, head_dim: int) -> str:
+        """One line of the attention and residual, for `epdraft check`."""
+        return (f"deepseek {self.variant}: {num_heads} q heads over 1 K=V head {head_dim} (rope {self.rope_head_dim}, "
+                f"sinks), window {self.window}, o {self.o_groups}x{self.o_lora_rank}; mHC x{self.hc_mult}")  # fmt: skip
+
+
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
