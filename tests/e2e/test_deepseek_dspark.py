@@ -1,5 +1,6 @@
 """`epdraft run` with a tiny random DeepSeek-V4 DSpark draft (tools/make_deepseek_dspark_draft.py) on
-1 CPU rank (replicated) and 2 (alltoall): lossless, every request served."""
+1 CPU rank (replicated) and 2 (alltoall, gather, replicated): lossless, every request served, and
+with sampled requests too (the sampled readout through the Markov head)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from tests.e2e.test_run import CASES, run_epdraft
 
 REPO = Path(__file__).resolve().parents[2]
-LAYOUTS = ["1rank-replicated", "2rank-alltoall"]
+LAYOUTS = ["1rank-replicated", "2rank-alltoall", "2rank-gather-sum_len", "2rank-replicated"]
 
 
 @pytest.mark.timeout(300)
@@ -27,3 +28,15 @@ def test_deepseek_dspark_run_is_lossless(layout, tmp_path):
     assert summary is not None and summary["lossless"] is True, proc.stdout
     assert summary["requests"] == 3 and not summary["failed_requests"]
     assert summary["generated_tokens"] == 3 * 16
+
+
+@pytest.mark.timeout(300)
+def test_deepseek_dspark_samples(tmp_path):
+    made = subprocess.run([sys.executable, str(REPO / "tools" / "make_deepseek_dspark_draft.py"), str(tmp_path / "draft")],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    args = ["--draft", str(tmp_path / "draft"), "--max-prompts", "3", "--max-new-tokens", "16", "--temperature", "0.8"]
+    proc, summary = run_epdraft(args, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert summary is not None and summary["generated_tokens"] == 3 * 16 and not summary["failed_requests"]
+    assert "T=0.8" in proc.stdout
