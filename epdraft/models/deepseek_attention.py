@@ -1,6 +1,9 @@
 """DeepSeek DSpark draft attention (V4 and V4.1, issue 31): one shared K=V head, partial interleaved
 RoPE, per-head sinks, grouped low-rank output, block queries over a block-anchored context window.
 
+V4.1 (`q_norm=False`) follows the architecture description (reference draft_models.md 6b), not yet
+checked against a released V4.1 export.
+
 Served by `DeepseekDSparkDraft` (deepseek_dspark.py); plain torch here (the oracle a
 kernel would be tested against).
 

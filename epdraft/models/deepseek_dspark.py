@@ -1,4 +1,4 @@
-"""DeepseekDSparkDraft: SpecForge's DeepSeek-V4 DSpark draft (`DSparkV4DraftModel`, issue 31), served.
+"""DeepseekDSparkDraft: SpecForge's DeepSeek-V4 / V4.1 DSpark draft (`DSparkV4DraftModel`, issue 31), served.
 
 Each request's context is the fused target features main = main_norm(main_proj(features)); every
 layer projects it to one K=V row per position (`DeepseekDSparkAttention.context_kv`), of which the
@@ -8,11 +8,16 @@ positions length .. length + B - 1, copies them to hc_mult residual streams and 
     streams = attn_hc(streams, attn(attn_norm(.)))   # window rows before the anchor + the whole block
     streams = ffn_hc(streams, mlp(ffn_norm(.)))      # once over ALL the rank's N * B rows (N may be 0)
 
-then `HyperHead` collapses the streams (the pre-norm hidden, which the confidence head reads), the
+then the readout collapses the streams into the pre-norm hidden (which the confidence head reads):
+V4's `HyperHead`, V4.1's last lagged pre mix (`single_pass_readout`, no `hc_head` tensors). The
 final norm and the target's lm_head give base logits, and the vanilla Markov head decodes the drafts
 semi-autoregressively (`MarkovHead`, SpecForge's `VanillaMarkovHead` names). The confidence head is
 SpecForge's `DSparkV4ConfidenceHead`: bias-free fp32 proj over [pre-norm hidden, markov_w1(prev)],
 read out through a sigmoid as an accept probability.
+
+V4.1 (`spec.deepseek.variant == "v41"`: no per-head q norm, single-pass mHC, that readout) is built
+from the architecture description (reference draft_models.md 6b), not yet checked against a released
+V4.1 export.
 
 Plain torch only: the attention has no Triton kernel and the step is not captured in a CUDA graph
 (`__init__` refuses kernels or graphs that would pick another path).
@@ -36,7 +41,7 @@ from epdraft.layers.step_kernels import StepKernels
 from epdraft.models.deepseek_attention import DeepseekDSparkAttention, DeepseekRMSNorm
 from epdraft.models.dflash import SampledReadout, TargetHeads
 from epdraft.models.dspark import MarkovHead
-from epdraft.models.hyper_connections import HyperConnection, HyperHead, Streams, enter_streams
+from epdraft.models.hyper_connections import HyperConnection, HyperHead, Streams, enter_streams, single_pass_readout
 from epdraft.models.kv_pool import WindowKVPool
 from epdraft.models.spec import DraftModelSpec
 from epdraft.models.step import DraftStep
@@ -59,7 +64,7 @@ class DeepseekDSparkLayer(nn.Module):
         super().__init__()
         d, H, eps = spec.deepseek, spec.hidden_size, spec.rms_norm_eps
         hc = dict(hc_mult=d.hc_mult, sinkhorn_iters=d.hc_sinkhorn_iters, hc_eps=d.hc_eps, norm_eps=eps,
-                  single_pass=False, device=device)  # fmt: skip
+                  single_pass=d.single_pass, device=device)  # fmt: skip
         self.attn_hc = HyperConnection(H, **hc)
         self.attn_norm = DeepseekRMSNorm(H, eps, dtype=dtype, device=device)
         self.attn = DeepseekDSparkAttention(
@@ -92,8 +97,8 @@ class DeepseekDSparkLayer(nn.Module):
 
 
 class DeepseekDSparkDraft(nn.Module):
-    """The DeepSeek-V4 DSpark draft (kind "dspark_v4"). Parameters: `main_proj`, `main_norm`,
-    `layers.{i}.{attn_hc,attn_norm,attn,ffn_hc,ffn_norm,mlp}.*`, `hc_head.*`, `norm`, `markov_head.*`,
+    """The DeepSeek-V4 / V4.1 DSpark draft (kind "dspark_v4"). Parameters: `main_proj`, `main_norm`,
+    `layers.{i}.{attn_hc,attn_norm,attn,ffn_hc,ffn_norm,mlp}.*`, `hc_head.*` (V4 only), `norm`, `markov_head.*`,
     `confidence_head.proj.weight`; `epdraft.models.deepseek_names` maps SpecForge's `mtp.*` export
     names onto them.
 
@@ -127,7 +132,9 @@ class DeepseekDSparkDraft(nn.Module):
             DeepseekDSparkLayer(spec, i, dtype=dtype, device=device, dispatcher=dispatcher, kernels=kernels)
             for i in range(spec.num_layers)
         )
-        self.hc_head = HyperHead(H, hc_mult=d.hc_mult, hc_eps=d.hc_eps, norm_eps=spec.rms_norm_eps, device=device)
+        # V4.1 reads out with the lagged pre mix the streams carry: no readout weights.
+        self.hc_head: HyperHead | None = None if d.single_pass else HyperHead(H, hc_mult=d.hc_mult, hc_eps=d.hc_eps,
+                                                             norm_eps=spec.rms_norm_eps, device=device)  # fmt: skip
         self.norm = DeepseekRMSNorm(H, spec.rms_norm_eps, dtype=dtype, device=device)
         self.markov_head = MarkovHead("vanilla", spec.vocab_size, spec.markov_rank, H, dtype=dtype, device=device,
                                       fused_sampling=kernels.sampling == "triton")  # fmt: skip
@@ -221,12 +228,14 @@ class DeepseekDSparkDraft(nn.Module):
         ids_NB = torch.full((N, B), self.spec.mask_token_id, dtype=torch.long, device=self.device)
         ids_NB[:, 0] = anchors_N.to(self.device)
         x_TH = heads.embed(ids_NB).to(self.main_proj.weight.dtype).reshape(N * B, H)
-        streams = enter_streams(x_TH, self.spec.deepseek.hc_mult, single_pass=False)
+        d = self.spec.deepseek
+        streams = enter_streams(x_TH, d.hc_mult, single_pass=d.single_pass)
         finite = []
         for layer, (kv_NSD, valid_NS) in zip(self.layers, windows):
             streams = layer(streams, positions_NB, kv_NSD, valid_NS, plan)
             finite.append(torch.isfinite(streams.x_NcH).all())
-        return self.hc_head(streams.x_NcH).view(N, B, H), torch.stack(finite)
+        hidden_TH = single_pass_readout(streams) if d.single_pass else self.hc_head(streams.x_NcH)
+        return hidden_TH.view(N, B, H), torch.stack(finite)
 
     def draft_rows(self, hidden_NBH: torch.Tensor) -> torch.Tensor:
         """The block rows that draft a token: rows 1..B-1 (mask-filling) or 0..B-1 (autoregressive)."""

@@ -1,10 +1,11 @@
-"""SpecForge's DeepSeek-V4 DSpark export names (`DSparkV4DraftModel.state_dict()`) <-> `DeepseekDSparkDraft`'s.
+"""SpecForge's DeepSeek-V4 / V4.1 DSpark export names (`DSparkV4DraftModel.state_dict()`) <-> `DeepseekDSparkDraft`'s.
 
 The export keeps DeepSeek's per-stage names under `mtp.{i}.`: `attn.{wq_a,q_norm,wq_b,wkv,kv_norm,wo_a,
 wo_b}.weight`, `attn.attn_sink`, `attn_norm.weight`, `ffn_norm.weight`, `hc_{attn,ffn}_{fn,base,scale}`,
 `ffn.gate.{weight,bias}`, `ffn.experts.{e}.w{1,2,3}.weight`, `ffn.shared_experts.w{1,2,3}.weight`;
 stage 0 adds `main_proj.weight`, `main_norm.weight`; the last stage `norm.weight`,
-`hc_head_{fn,base,scale}`. The heads are `markov_head.*`, `confidence_head.proj.weight` at the root
+`hc_head_{fn,base,scale}` (V4 only: V4.1's readout has no weights, so a V4.1 draft has no `hc_head.*` and
+the loader reports an export's as unused). The heads are `markov_head.*`, `confidence_head.proj.weight` at the root
 (SpecForge also accepts the official `mtp.{last}.markov_head.*` / `confidence_head.*`: so do we).
 FFN tensors become `layers.{i}.mlp.*`, which the FFN loader reads in DeepSeek's naming.
 """

@@ -17,7 +17,8 @@ Two variants, chosen at construction (`single_pass`):
   attention), so the streams are read once per sublayer: a fused kernel can write the new streams and
   the next sublayer's input together. The first sublayer reads stream 0 (every stream is still a copy
   of the block input); the readout collapses with the last pre mix (`single_pass_readout`).
-  The lagged mix travels inside `Streams`, so both variants are called alike.
+  The lagged mix travels inside `Streams`, so both variants are called alike. Built from that
+  description, not yet checked against a released V4.1 export.
 
 Shape legend: N rows (requests x block positions, flattened; may be 0: an idle rank still runs its
 layers), c = hc_mult streams, H hidden size, X = c * H flattened streams, M = (2 + c) * c mixes

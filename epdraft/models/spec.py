@@ -28,8 +28,11 @@ PosInt = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class DeepseekDSparkSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The DeepSeek-V4 DSpark layer geometry (SpecForge `DSparkV4DraftModel`): low-rank q, one shared
-    K=V head, grouped low-rank output, a block-anchored context window, mHC residual streams.
+    """The DeepSeek-V4 / V4.1 DSpark layer geometry (SpecForge `DSparkV4DraftModel`): low-rank q, one
+    shared K=V head, grouped low-rank output, a block-anchored context window, mHC residual streams.
+
+    V4.1 (`attention_mode: "deepseek_v41"`) is built from the architecture description (reference
+    draft_models.md 6b), not yet checked against a released V4.1 export.
 
     `kv_fake_quant`: the export was trained with the K=V row's non-rope channels rounded through FP8
     e4m3 with power-of-two scales per 64 channels (SpecForge's QAT of the official serving path's
@@ -37,8 +40,9 @@ class DeepseekDSparkSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     block): without it the draft sees K/V it was not trained on (lossless either way, fewer accepts).
     """
 
-    variant: Literal["v4"] = "v4"
-    """v4: a parameter-free per-head RMS norm of q (V4.1, without it, has no SpecForge export yet)."""
+    variant: Literal["v4", "v41"] = "v4"
+    """v4: a parameter-free per-head RMS norm of q, mHC mixes from each sublayer's own streams, the
+    `hc_head` readout. v41: no q norm, single-pass mHC (lagged pre mix), readout by the last pre mix."""
     q_lora_rank: PosInt
     rope_head_dim: PosInt
     o_groups: PosInt
@@ -53,6 +57,11 @@ class DeepseekDSparkSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     def q_norm(self) -> bool:
         return self.variant == "v4"
 
+    @property
+    def single_pass(self) -> bool:
+        """V4.1's single-pass mHC (and its readout without `hc_head`)."""
+        return self.variant == "v41"
+
     def describe(self, num_heads: int, head_dim: int) -> str:
         """One line of the attention and residual, for `epdraft check`."""
         return (f"deepseek {self.variant}: {num_heads} q heads over 1 K=V head {head_dim} (rope {self.rope_head_dim}, "
@@ -60,6 +69,8 @@ class DeepseekDSparkSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
 
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+_ATTENTION_MODES = {"deepseek_v4": "v4", "deepseek_v41": "v41"}
+"""SpecForge's `attention_mode` of a DSparkV4DraftModel (absent: V4) -> DeepseekDSparkSpec.variant."""
 
 
 class DraftModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -219,16 +230,18 @@ def _deepseek_fields(config: dict[str, Any], pick: Any, source: str) -> dict[str
     if pick("markov_head_type", "vanilla") != "vanilla":
         raise ConfigError(f"{source}: markov_head_type = {pick('markov_head_type')!r}: DSparkV4DraftModel has "
                           "a vanilla Markov head only")
-    variant = pick("attention_variant", "v4")
-    if variant != "v4":
-        raise ConfigError(f"{source}: attention_variant = {variant!r}: only 'v4' (per-head q norm) is supported")
+    mode = pick("attention_mode", "deepseek_v4")
+    if mode not in _ATTENTION_MODES:
+        raise ConfigError(
+            f"{source}: attention_mode = {mode!r}: a DSparkV4DraftModel's is one of {list(_ATTENTION_MODES)}"
+        )
     deepseek = {
-        "variant": variant,
+        "variant": _ATTENTION_MODES[mode],
         "q_lora_rank": pick("q_lora_rank"),
         "rope_head_dim": pick("qk_rope_head_dim"),
         "o_groups": pick("o_groups"),
         "o_lora_rank": pick("o_lora_rank"),
-        "window": pick("sliding_window"),
+        "window": _context_window(pick, source),
         "hc_mult": pick("hc_mult"),
         "hc_sinkhorn_iters": pick("hc_sinkhorn_iters"),
         "hc_eps": pick("hc_eps"),
@@ -241,6 +254,18 @@ def _deepseek_fields(config: dict[str, Any], pick: Any, source: str) -> dict[str
         "layer_types": ["full_attention"] * config["num_hidden_layers"],
         "ffn": DraftMixFFNSpec.from_config({**config, "moe_preset": "deepseek_v4"}),
     }
+
+
+def _context_window(pick: Any, source: str) -> Any:
+    """The window from `sliding_window` or SpecForge's V4.1 `context_window`; both given must agree."""
+    sliding, context = pick("sliding_window", None), pick("context_window", None)
+    if sliding is not None and context is not None and sliding != context:
+        raise ConfigError(f"{source}: context_window = {context!r} contradicts sliding_window = {sliding!r} "
+                          "(both give the DeepSeek context window)")
+    window = context if context is not None else sliding
+    if window is None:
+        raise ConfigError(f"{source}: missing key 'sliding_window' (or dflash_config.context_window)")
+    return window
 
 
 def _check_deepseek(spec: DraftModelSpec) -> None:

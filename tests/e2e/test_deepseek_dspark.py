@@ -1,6 +1,7 @@
 """`epdraft run` with a tiny random DeepSeek-V4 DSpark draft (tools/make_deepseek_dspark_draft.py) on
 1 CPU rank (replicated) and 2 (alltoall, gather, replicated): lossless, every request served, and
-with sampled requests too (the sampled readout through the Markov head)."""
+with sampled requests too (the sampled readout through the Markov head). The V4.1 variant (`--v41`)
+on 1 rank and 2 ranks alltoall."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ from tests.e2e.test_run import CASES, run_epdraft
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = ["1rank-replicated", "2rank-alltoall", "2rank-gather-sum_len", "2rank-replicated"]
+VARIANT_LAYOUTS = [("v4", layout) for layout in LAYOUTS] + [("v41", "1rank-replicated"), ("v41", "2rank-alltoall")]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_deepseek_dspark_run_is_lossless(layout, tmp_path):
-    made = subprocess.run([sys.executable, str(REPO / "tools" / "make_deepseek_dspark_draft.py"), str(tmp_path / "draft")],
+@pytest.mark.parametrize("variant, layout", VARIANT_LAYOUTS)
+def test_deepseek_dspark_run_is_lossless(variant, layout, tmp_path):
+    flags = ["--v41"] if variant == "v41" else []
+    tool = REPO / "tools" / "make_deepseek_dspark_draft.py"
+    made = subprocess.run([sys.executable, str(tool), str(tmp_path / "draft"), *flags],
                           capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
     assert made.returncode == 0, made.stderr
     args = [*CASES[layout], "--draft", str(tmp_path / "draft"), "--max-prompts", "3", "--max-new-tokens", "16"]
