@@ -207,3 +207,20 @@ def test_bench_transfer_reports_every_transport_and_size(tmp_path, capsys):
     assert [r["bytes"] for r in rows[:3]] == [0, 3 * 64 * 2, 64 << 10]
     assert all(r["median_us"] > 0 for r in rows)
     assert "median" in capsys.readouterr().out
+
+
+def test_a_peer_gone_before_the_post_is_named(monkeypatch):
+    """gloo refuses the irecv / isend itself when the peer already closed (not only its wait): that
+    race, which a 2-rank test hit under load, must still be a ParallelError naming the peer."""
+    from epdraft.worker.transfer.control import ControlChannel
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:63210")
+
+    monkeypatch.setattr(dist, "irecv", closed)
+    monkeypatch.setattr(dist, "isend", closed)
+    channel = ControlChannel(None, torch.device("cpu"), use_tags=False)
+    with pytest.raises(ParallelError, match="control message from rank 1 failed: .*Connection closed by peer"):
+        channel.recv(1, StepPayloadMeta, 64)
+    with pytest.raises(ParallelError, match="control message to rank 1 failed"):
+        channel.post(1, StepPayloadMeta(step=0, num_rows=0, feature_dim=8, dtype="bfloat16", accept_lens=[], bonus_tokens=[]), 64)

@@ -9,7 +9,7 @@ reused; a frame is rewritten only after its previous send completed.
 from __future__ import annotations
 
 import logging
-from typing import Mapping, TypeVar
+from typing import Callable, Mapping, TypeVar
 
 import msgspec
 import torch
@@ -39,6 +39,15 @@ class Credit(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     """Receiver -> sender: my buffer for you is free, write message number `seq` into it."""
 
     seq: int
+
+
+def start(post: Callable[[], dist.Work], what: str) -> dist.Work:
+    """Post a point-to-point op; a peer already gone (gloo refuses the post itself, not only the
+    wait, when the peer closed first) becomes a ParallelError naming `what`."""
+    try:
+        return post()
+    except RuntimeError as e:
+        raise ParallelError(f"{what} failed: {e}") from e
 
 
 def wait(work: dist.Work, what: str) -> None:
@@ -81,7 +90,9 @@ class ControlChannel:
         frame = self._frame(peer, "send", tag, nbytes)
         data = bytearray(len(body).to_bytes(4, "little") + body)
         frame[: len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8))
-        self._pending[(peer, tag)] = dist.isend(frame, dst=peer, group=self._group, **self._tag(tag))
+        self._pending[(peer, tag)] = start(
+            lambda: dist.isend(frame, dst=peer, group=self._group, **self._tag(tag)), f"control message to rank {peer}"
+        )
 
     def flush(self, peer: int, tag: int = 0) -> None:
         """Wait until the last message posted to `peer` under `tag` has left."""
@@ -96,7 +107,8 @@ class ControlChannel:
     def recv(self, peer: int, kind: type[M], nbytes: int, tag: int = 0) -> M:
         """Block until the next `kind` message from `peer` under `tag` arrives."""
         frame = self._frame(peer, "recv", tag, nbytes)
-        wait(dist.irecv(frame, src=peer, group=self._group, **self._tag(tag)), f"control message from rank {peer}")
+        what = f"control message from rank {peer}"
+        wait(start(lambda: dist.irecv(frame, src=peer, group=self._group, **self._tag(tag)), what), what)
         raw = frame.cpu().numpy().tobytes()
         size = int.from_bytes(raw[:4], "little")
         try:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from epdraft.errors import ConfigError, ParallelError
 from epdraft.worker.transfer.base import BufferSpec, StepPayload, StepPayloadMeta, check_meta, check_payload
-from epdraft.worker.transfer.control import HELLO_FRAME_BYTES, ControlChannel, Hello, wait
+from epdraft.worker.transfer.control import HELLO_FRAME_BYTES, ControlChannel, Hello, start, wait
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ class TorchP2PTransport:
         self._channel.send(peer, meta, spec.meta_frame_bytes)
         if meta.num_rows:
             x_RD = payload.features_RD.contiguous()
-            wait(dist.isend(x_RD, dst=peer, group=self._group), f"step {meta.step} features to rank {peer}")
+            what = f"step {meta.step} features to rank {peer}"
+            wait(start(lambda: dist.isend(x_RD, dst=peer, group=self._group), what), what)
 
     def recv(self, peer: int) -> StepPayload:
         spec = self._spec(peer)
@@ -78,7 +79,8 @@ class TorchP2PTransport:
         check_meta(meta, spec, peer)
         x_RD = self._recv_RD[peer][: meta.num_rows]
         if meta.num_rows:
-            wait(dist.irecv(x_RD, src=peer, group=self._group), f"step {meta.step} features from rank {peer}")
+            what = f"step {meta.step} features from rank {peer}"
+            wait(start(lambda: dist.irecv(x_RD, src=peer, group=self._group), what), what)
         return StepPayload(
             step=meta.step, features_RD=x_RD, accept_lens=meta.accept_lens, bonus_tokens=meta.bonus_tokens
         )
