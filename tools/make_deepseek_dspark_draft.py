@@ -54,9 +54,7 @@ def randomize(draft: DeepseekDSparkDraft, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in draft.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(("hc.scale", "hc_head.scale")):
+            if name.endswith(("norm.weight", "hc.scale", "hc_head.scale")):
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)

@@ -148,36 +148,26 @@ def floor_seconds(draft, heads: RandomHeads, n: int, context: int) -> tuple[floa
     return max(total / HBM_BYTES_PER_S, flops / TENSOR_FLOPS), int(total), flops
 
 
-def _time_ms(fn, steps: int, warmup: int) -> float:
+def _time_alternately_ms(fns, steps: int, warmup: int) -> list[float]:
+    """Median ms (CUDA events) of each of `fns`, timed in turn (a, b, a, b, ...): a clock or thermal
+    drift during the run moves them alike, so their ratio is what a side-by-side comparison means."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _time_pair_ms(fa, fb, steps: int, warmup: int) -> tuple[float, float]:
-    """Medians of `fa` and `fb` timed alternately (a, b, a, b, ...): a clock or thermal drift during
-    the run moves both alike, so their ratio is what a side-by-side comparison means."""
-    for _ in range(warmup):
-        fa()
-        fb()
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(steps):
-        for fn, out in ((fa, times[0]), (fb, times[1])):
+        for fn, out in zip(fns, times):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
             end.record()
             end.synchronize()
             out.append(start.elapsed_time(end))
-    return statistics.median(times[0]), statistics.median(times[1])
+    return [statistics.median(t) for t in times]
+
+
+def _time_ms(fn, steps: int, warmup: int) -> float:
+    return _time_alternately_ms([fn], steps, warmup)[0]
 
 
 def kernel_breakdown(kernels: list[tuple[str, float]], top: int) -> tuple[int, float, list[tuple[str, int, float]]]:
@@ -282,9 +272,10 @@ def main(args: argparse.Namespace) -> int:
                 sampled = greedy = None
                 if sampling is not None:
                     readout = Readout.of([sampling])
-                    greedy, sampled = _time_pair_ms(lambda: graphs.run(slot_list, anchor_list, plan),
-                                                    lambda: graphs.run(slot_list, anchor_list, plan, readout=readout),
-                                                    args.steps, args.warmup)  # fmt: skip
+                    greedy, sampled = _time_alternately_ms(
+                        [lambda: graphs.run(slot_list, anchor_list, plan),
+                         lambda: graphs.run(slot_list, anchor_list, plan, readout=readout)], args.steps, args.warmup,
+                    )  # fmt: skip
                     step = draft.step(pool, slots, anchors, heads, plan, readout=readout)
                     replay = graphs.run(slot_list, anchor_list, plan, readout=readout)
                     same &= torch.equal(replay.drafts_NK, step.drafts_NK) and torch.equal(replay.probs_NKV, step.probs_NKV)

@@ -16,6 +16,7 @@ import torch
 
 from epdraft.config.sampling import SamplingParams
 from epdraft.sampling.counter_rng import Stream, uniforms
+from epdraft.sampling.probabilities import probabilities
 
 
 def request_seed(base_seed: int, index: int) -> int:
@@ -65,6 +66,12 @@ class SamplingBatch:
     def greedy(self) -> bool:
         """Every row greedy: the argmax rule, no probabilities."""
         return self.readout is Readout.ARGMAX
+
+    def probabilities(self, logits_NkV: torch.Tensor) -> torch.Tensor:
+        """Each row's processed probabilities [N, k, V] fp32 of its k positions' logits (its settings
+        apply to every position; the top-k / top-p sorts only for a `Readout.FILTERED` batch)."""
+        return probabilities(logits_NkV, self.temperature.unsqueeze(1), self.top_k.unsqueeze(1),
+                             self.top_p.unsqueeze(1), filtered=self.readout is Readout.FILTERED)  # fmt: skip
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> SamplingBatch:

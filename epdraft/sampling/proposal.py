@@ -8,7 +8,6 @@ import torch
 from epdraft.kernels.sample.propose import propose_sampled
 from epdraft.sampling.batch import Readout, SamplingBatch
 from epdraft.sampling.counter_rng import Stream, uniforms
-from epdraft.sampling.probabilities import probabilities
 from epdraft.sampling.rejection import sample_tokens
 
 
@@ -26,7 +25,6 @@ def propose_tokens(
     if fused and batch.readout is Readout.SAMPLE:
         return propose_sampled(logits_NkV, batch.temperature, batch.seed, first_N, int(Stream.DRAFT))
     positions_Nk = first_N.unsqueeze(1) + torch.arange(logits_NkV.shape[1], device=logits_NkV.device)
-    q_NkV = probabilities(logits_NkV, batch.temperature.unsqueeze(1), batch.top_k.unsqueeze(1), batch.top_p.unsqueeze(1),
-                          filtered=batch.readout is Readout.FILTERED)  # fmt: skip
+    q_NkV = batch.probabilities(logits_NkV)
     u_Nk = uniforms(batch.seed.unsqueeze(1), positions_Nk, Stream.DRAFT)
     return sample_tokens(q_NkV, u_Nk), q_NkV

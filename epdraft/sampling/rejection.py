@@ -15,9 +15,8 @@ import dataclasses
 
 import torch
 
-from epdraft.sampling.batch import Readout, SamplingBatch
+from epdraft.sampling.batch import SamplingBatch
 from epdraft.sampling.counter_rng import Stream, uniforms
-from epdraft.sampling.probabilities import probabilities
 
 
 def sample_tokens(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -146,8 +145,7 @@ def speculative_accept(
         return Verdict(accept, bonus, (drafts_NK == pred_NB[:, :-1]).float())
     if draft_probs_NKV is None:
         raise ValueError("a batch with sampled requests needs the draft's proposal probabilities (draft_probs_NKV)")
-    p_NBV = probabilities(target_logits_NBV, batch.temperature.unsqueeze(1), batch.top_k.unsqueeze(1),
-                          batch.top_p.unsqueeze(1), filtered=batch.readout is Readout.FILTERED)  # fmt: skip
+    p_NBV = batch.probabilities(target_logits_NBV)
     q_NKV = draft_probs_NKV.to(p_NBV.device, torch.float32)
     K = drafts_NK.shape[1]
     overlap = torch.minimum(p_NBV[:, :K], q_NKV).sum(dim=-1)

@@ -21,7 +21,6 @@ from epdraft.errors import ConfigError, LoadError, RequestError
 from epdraft.sampling import (
     SamplingBatch,
     Stream,
-    probabilities,
     sample_tokens,
     seeded,
     speculative_accept,
@@ -161,9 +160,9 @@ class HFTarget:
         if params.greedy:
             return logits_V.argmax()
         row = SamplingBatch.of([params], logits_V.device)
-        probs = probabilities(logits_V.unsqueeze(0), row.temperature, row.top_k, row.top_p)
+        probs_1V = row.probabilities(logits_V.view(1, 1, -1))[0]
         u = uniforms(row.seed, torch.tensor([position], device=logits_V.device), Stream.TARGET)
-        return sample_tokens(probs, u)[0]
+        return sample_tokens(probs_1V, u)[0]
 
     @torch.no_grad()
     def verify(

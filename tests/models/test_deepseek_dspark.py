@@ -73,6 +73,16 @@ def uncached_reference(draft, features, anchors_N, heads):
     return prenorm, draft.read_out(draft.draft_rows(prenorm), anchors_N, heads)
 
 
+def assert_loads_back(draft, export: dict, other) -> None:
+    """`export` loaded into `other` (zeroed first) gives back `draft`'s every tensor."""
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    load_draft_weights(other, DictSource(export))
+    for (name, a), b in zip(draft.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("variant", ["v4", "v41"])
 @pytest.mark.parametrize("kv_fake_quant", [False, True])
 def test_pooled_step_equals_uncached_window(kv_fake_quant, variant):
@@ -142,13 +152,7 @@ def test_export_names_round_trip():
     assert "mtp.0.attn.wq_a.weight" in export and "mtp.1.ffn.experts.3.w2.weight" in export
     assert "mtp.0.ffn.gate.bias" in export and "mtp.0.ffn.shared_experts.w1.weight" in export
     assert "mtp.0.hc_attn_fn" in export and "confidence_head.proj.weight" in export
-    other = make_draft()
-    with torch.no_grad():
-        for p in other.parameters():
-            p.zero_()
-    load_draft_weights(other, DictSource(export))
-    for (name, a), b in zip(draft.state_dict().items(), other.state_dict().values()):
-        assert torch.equal(a, b), name
+    assert_loads_back(draft, export, make_draft())
 
 
 def test_fp8_roundtrip_matches_power_of_two_scales():
@@ -204,13 +208,7 @@ def test_v41_builds_the_v41_pieces_and_round_trips(tmp_path, caplog):
                for layer in draft.layers)  # fmt: skip
     export = to_export_state_dict(draft, 2)
     assert not any("hc_head" in n for n in export) and "mtp.1.hc_ffn_fn" in export
-    other = make_draft(variant="v41")
-    with torch.no_grad():
-        for p in other.parameters():
-            p.zero_()
-    load_draft_weights(other, DictSource(export))
-    for (name, a), b in zip(draft.state_dict().items(), other.state_dict().values()):
-        assert torch.equal(a, b), name
+    assert_loads_back(draft, export, make_draft(variant="v41"))
     export["mtp.1.hc_head_fn"] = torch.zeros(4, 4 * H)
     (tmp_path / "config.json").write_text(json.dumps(tiny_config(variant="v41")))
     save_file(export, str(tmp_path / "model.safetensors"))
