@@ -52,10 +52,32 @@ PRESETS: dict[str, dict] = {
     "v4like": dict(hidden=5120, heads=40, kv_heads=8, layers=5, experts=128, moe_intermediate=2304, top_k=3,
                    vocab=129280, block_size=16),
 }  # fmt: skip
+# DeepSeek-V4.1-Flash's own DSpark draft at its released sizes (issue 31; SpecForge's converted config
+# keys), timed in bf16: its FP8 / FP4 checkpoint layout is issue 32's.
+DSPARK_PRESETS: dict[str, dict] = {
+    "v41-flash": {
+        "architectures": ["DSparkV4DraftModel"], "model_type": "deepseek_v4_dspark_draft", "block_size": 5,
+        "dflash_config": {"attention_mode": "deepseek_v41", "context_window": 128, "confidence_head_with_markov": True,
+                          "enable_confidence_head": True, "kv_fake_quant": True, "markov_head_type": "vanilla",
+                          "markov_rank": 256, "mask_token_id": 128799, "projector_type": "dspark_v4",
+                          "target_layer_ids": [37, 38, 39]},
+        "hidden_size": 4096, "vocab_size": 129280, "num_hidden_layers": 3, "num_target_layers": 40,
+        "rms_norm_eps": 1e-6, "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,
+        "qk_rope_head_dim": 64, "q_lora_rank": 1280, "o_lora_rank": 1024, "o_groups": 8, "rope_theta": 10000.0,
+        "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 3, "moe_intermediate_size": 2304,
+        "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "hc_mult": 4,
+        "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+    },
+}  # fmt: skip
+
+
+def preset_draft_config(name: str) -> dict:
+    """The draft config.json of a `--preset` name."""
+    return DSPARK_PRESETS[name] if name in DSPARK_PRESETS else preset_config(PRESETS[name])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="issue13", help="draft shape (default issue13)")
+    parser.add_argument("--preset", choices=sorted({*PRESETS, *DSPARK_PRESETS}), default="issue13", help="draft shape (default issue13)")
     parser.add_argument("--draft", type=Path, help="a draft export directory instead of a preset (its config only)")
     parser.add_argument("--requests", default="1,8,32,64,128", help="batch sizes N, comma list")
     parser.add_argument("--context", default="1024,8192", help="context rows per request, comma list")
@@ -126,11 +148,13 @@ def floor_seconds(draft, heads: RandomHeads, n: int, context: int) -> tuple[floa
 
     spec, B = draft.spec, draft.block_size
     rows = n * B
+    # The target features' projection runs on the context (extend), not in the step.
+    features = "main_proj." if spec.deepseek is not None else "fc."
     expert_bytes, other_bytes, flops = 0.0, 0, 0.0
     for name, p in draft.named_parameters():
-        if ".experts." not in name:
+        if ".experts." not in name and not name.startswith(features):
             other_bytes += p.numel() * p.element_size()
-            if p.dim() == 2 and "fc." not in name:
+            if p.dim() == 2:
                 flops += 2 * rows * p.numel()
     for m in draft.modules():
         if isinstance(m, DraftMoE):
@@ -139,13 +163,27 @@ def floor_seconds(draft, heads: RandomHeads, n: int, context: int) -> tuple[floa
             per_expert = sum(p[0].numel() * p.element_size() for p in (m.experts.w13, m.experts.w2))
             expert_bytes += touched * per_expert
             flops += 2 * rows * K * per_expert / m.experts.w13.element_size()
-    attn = draft.layers[0].self_attn
-    kv_bytes = spec.num_layers * n * (context + B) * attn.num_kv_heads * attn.head_dim * 2 * draft.fc.weight.element_size()
-    flops += spec.num_layers * 4 * n * B * (context + B) * attn.num_heads * attn.head_dim
+    kv_bytes, attn_flops = _context_read(draft, n, context)
     head_bytes = heads.head.weight.numel() * heads.head.weight.element_size()
-    flops += 2 * rows * heads.head.weight.numel()
-    total = other_bytes - draft.fc.weight.numel() * draft.fc.weight.element_size() + expert_bytes + kv_bytes + head_bytes
+    flops += attn_flops + 2 * rows * heads.head.weight.numel()
+    total = other_bytes + expert_bytes + kv_bytes + head_bytes
     return max(total / HBM_BYTES_PER_S, flops / TENSOR_FLOPS), int(total), flops
+
+
+def _context_read(draft, n: int, context: int) -> tuple[int, float]:
+    """(bytes of context K/V the step reads, attention FLOPs) for n requests of `context` rows: a
+    DFlash layer reads K and V of every row (g heads); a DeepSeek DSpark layer reads the one K=V row
+    of the last `window` positions only."""
+    spec, B, L = draft.spec, draft.block_size, draft.spec.num_layers
+    itemsize = next(draft.parameters()).element_size()
+    if spec.deepseek is not None:
+        seen = min(draft.window, context)
+        row_bytes, keys = spec.head_dim * itemsize, seen + B
+    else:
+        attn = draft.layers[0].self_attn
+        row_bytes, keys = 2 * attn.num_kv_heads * attn.head_dim * itemsize, context + B
+        seen = keys
+    return L * n * seen * row_bytes, L * 4.0 * n * B * keys * spec.num_heads * spec.head_dim
 
 
 def _time_alternately_ms(fns, steps: int, warmup: int) -> list[float]:
@@ -222,11 +260,12 @@ def main(args: argparse.Namespace) -> int:
     sampling = _sampling_flags(args)
     if not torch.cuda.is_available():
         raise ConfigError("epdraft bench step times the GPU step: it needs CUDA")
-    config = read_config_json(args.draft) if args.draft else preset_config(PRESETS[args.preset])
+    config = read_config_json(args.draft) if args.draft else preset_draft_config(args.preset)
     spec = DraftModelSpec.from_config(config)
-    if spec.kind == "dspark_v4":
-        raise ConfigError(f"--draft {args.draft}: a DeepSeek DSpark (dspark_v4) draft has no GPU step to time yet "
-                          "(its attention runs in torch, its pool is a window ring; issue 31)")  # fmt: skip
+    if spec.deepseek is not None and args.attention:
+        raise ConfigError("--attention times the DFlash block-attention kernel; a DeepSeek DSpark (dspark_v4) "
+                          "draft's attention has no kernel of its own yet")  # fmt: skip
+    cache_path = not args.no_cache_path and spec.deepseek is None  # DSpark V4 has no cache-based step
     device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
     torch.manual_seed(0)
     draft = DRAFT_FAMILIES[spec.kind](spec, dtype=dtype, device=device, dispatcher=None).eval()
@@ -236,7 +275,9 @@ def main(args: argparse.Namespace) -> int:
     heads = RandomHeads(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
     B, results = spec.block_size, []
     label = str(args.draft) if args.draft else args.preset
-    print(f"draft {label}: H {spec.hidden_size}, {spec.num_layers} layers, block {B}, bf16, {torch.cuda.get_device_name()}")
+    params = sum(p.numel() for p in draft.parameters()) / 1e9
+    print(f"draft {label}: H {spec.hidden_size}, {spec.num_layers} layers, block {B}, {params:.2f}B parameters, "
+          f"bf16, {torch.cuda.get_device_name()}")
     print(f"{'N':>5}{'context':>9}{'cache ms':>10}{'eager ms':>10}{'graph ms':>10}{'no-pdl ms':>10}{'floor ms':>10}"
           f"{'graph/floor':>12}{'cache/graph':>12}{'kernels':>9}{'busy ms':>9}{'sampled ms':>11}{'sampled/graph':>14}")  # fmt: skip
     profiles = []
@@ -244,9 +285,8 @@ def main(args: argparse.Namespace) -> int:
         pool = draft.new_pool(max_requests=max(requests), max_context=context)
         for slot in range(max(requests)):  # the slots the points use, each with the sampled column's params
             pool.admit(slot, seeded(sampling or SamplingParams(), 0, slot))
-        for layer in range(spec.num_layers):  # a random context in every slot, as if extended
-            pool.k[layer].normal_()
-            pool.v[layer].normal_()
+        for rows in pool.buffers:  # a random context in every slot, as if extended
+            rows.normal_()
         pool.lengths.fill_(context)
         graphs, no_pdl_graphs = (StepGraphs(
             lambda s, a, plan, readout: draft.step(pool, s, a, heads, plan, readout=readout), pad_slot=pool.pad_slot,
@@ -280,7 +320,7 @@ def main(args: argparse.Namespace) -> int:
                     replay = graphs.run(slot_list, anchor_list, plan, readout=readout)
                     same &= torch.equal(replay.drafts_NK, step.drafts_NK) and torch.equal(replay.probs_NKV, step.probs_NKV)
                 cache = None
-                if not args.no_cache_path:
+                if cache_path:
                     caches = _caches_from_pool(draft, pool, n, context)
                     cache = _time_ms(lambda: reference_step(draft, caches, anchors, heads, plan), args.steps, args.warmup)
                     del caches

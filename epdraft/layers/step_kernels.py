@@ -113,7 +113,7 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
         `layout`: the rank's MoE layout (a moe_tp slice keeps no quantized experts; graphs need a
         capturable dispatch); `graphs`: `draft.cuda_graphs`; `deepseek_attention`: the draft is a
         DeepSeek DSpark draft, whose attention (one shared K=V head, sinks, a window ring) has no
-        kernel yet and whose step is not capturable yet.
+        kernel yet (its torch path captures).
 
         Raises ConfigError naming draft.cuda_graphs when graphs are asked for and the step cannot
         be captured here (CPU, a dispatch that syncs with the host, experts on the reference loop).
@@ -140,9 +140,6 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
             dequantized=dequantized,
         )
         if graphs:
-            if deepseek_attention:
-                raise ConfigError("draft.cuda_graphs = true: a DeepSeek DSpark (dspark_v4) draft's step is not "
-                                  "capturable yet (issue 31); set draft.cuda_graphs = false")  # fmt: skip
             kernels._check_capturable(device_type, layout, why["experts"] if has_moe else None)
         return kernels
 

@@ -19,8 +19,8 @@ V4.1 (`spec.deepseek.variant == "v41"`: no per-head q norm, single-pass mHC, tha
 from the architecture description (reference draft_models.md 6b), not yet checked against a released
 V4.1 export.
 
-Plain torch only: the attention has no Triton kernel and the step is not captured in a CUDA graph
-(`__init__` refuses kernels or graphs that would pick another path).
+The attention and the mHC run in torch (no Triton kernel yet); the step has no host sync, so
+`draft.cuda_graphs` replays it from a CUDA graph per bucket like DFlash's (`runtime.graphs`).
 
 Shape legend: N requests, B block rows, H hidden, c hc_mult streams, W window, D head_dim, k drafts.
 """
@@ -103,8 +103,7 @@ class DeepseekDSparkDraft(nn.Module):
     names onto them.
 
     `kernels`: the rank's resolved compute for the FFN (None: resolved for `device`, `dtype`, the
-    spec and the dispatcher's layout). Raises ConfigError for kernels that capture CUDA graphs: this
-    step has not been made capturable.
+    spec and the dispatcher's layout).
     """
 
     def __init__(
@@ -122,8 +121,6 @@ class DeepseekDSparkDraft(nn.Module):
         if kernels is None:
             layout = dispatcher.layout if dispatcher is not None else None
             kernels = StepKernels.resolve(device, dtype, ffn=spec.ffn, layout=layout, deepseek_attention=True)
-        if kernels.graphs:
-            raise ConfigError("draft.cuda_graphs = true: a dspark_v4 draft's step is not capturable yet")
         self.spec, self.kernels = spec, kernels
         H, d = spec.hidden_size, spec.deepseek
         self.main_proj = nn.Linear(spec.num_target_features * H, H, bias=False, dtype=dtype, device=device)

@@ -120,6 +120,16 @@ class RequestSlots:
         for name in ("temperature", "top_k", "top_p", "seed"):
             getattr(self._sampling, name)[slot] = getattr(row, name)[0]
 
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """Every row tensor the pool holds (each pool kind lists its own)."""
+        raise NotImplementedError
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes the pool's rows hold on its device."""
+        return sum(t.numel() * t.element_size() for t in self.buffers)
+
     def sampling_of(self, slots_N: torch.Tensor, readout: Readout) -> SamplingBatch:
         """The sampling rows of `slots_N` (device, no host sync), with the `readout` the caller
         knows they need (`readout(request_ids)`)."""
@@ -155,9 +165,9 @@ class KVPool(RequestSlots):
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @property
-    def num_bytes(self) -> int:
-        """Bytes the pool holds on its device (K and V of every layer)."""
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+    def buffers(self) -> list[torch.Tensor]:
+        """Every row tensor the pool holds (K and V of every layer)."""
+        return [*self.k, *self.v]
 
     def write(self, layer: int, slot: int, start: int, k_gLD: torch.Tensor, v_gLD: torch.Tensor) -> None:
         """Rows [start, start + L) of one slot's layer (context rows, by `extend`)."""
@@ -192,9 +202,9 @@ class WindowKVPool(RequestSlots):
         self.kv = [torch.zeros(max_requests + 1, window, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @property
-    def num_bytes(self) -> int:
-        """Bytes the pool holds on its device (the K=V rings of every layer)."""
-        return sum(t.numel() * t.element_size() for t in self.kv)
+    def buffers(self) -> list[torch.Tensor]:
+        """Every row tensor the pool holds (the K=V ring of every layer)."""
+        return list(self.kv)
 
     def write_rows(self, layer: int, slot: int, start: int, kv_LD: torch.Tensor) -> None:
         """Context rows of positions [start, start + L) into one slot's ring (only the last `window`

@@ -182,17 +182,6 @@ def test_loader_is_strict_and_takes_official_head_names(tmp_path):
         load_draft(tmp_path)
 
 
-def test_cuda_graphs_refused():
-    import msgspec
-
-    from epdraft.errors import ConfigError
-    from epdraft.layers.step_kernels import StepKernels
-
-    kernels = msgspec.structs.replace(StepKernels.reference(), graphs=True)
-    with pytest.raises(ConfigError, match="draft.cuda_graphs"):
-        DeepseekDSparkDraft(DraftModelSpec.from_config(tiny_config()), kernels=kernels)
-
-
 def test_v41_builds_the_v41_pieces_and_round_trips(tmp_path, caplog):
     """V4.1: no per-head q norm, single-pass mHC on every sublayer, no hc_head; the export has no
     hc_head_* and loads back; an export that carries them is reported as unused."""
