@@ -1,0 +1,34 @@
+"""`bench step`'s floor for a DeepSeek DSpark draft: the context it reads is the window's one K=V row
+per position and layer, so the floor stops growing with context once the window is full; counted
+here by hand from the V4.1-Flash preset's shapes (meta tensors: no weights are allocated)."""
+
+from __future__ import annotations
+
+import torch
+
+from epdraft.bench.step import DSPARK_PRESETS, HBM_BYTES_PER_S, RandomHeads, floor_seconds
+from epdraft.models.deepseek_dspark import DeepseekDSparkDraft
+from epdraft.models.spec import DraftModelSpec
+
+
+def test_v41_flash_floor_reads_the_window_only():
+    config = DSPARK_PRESETS["v41-flash"]
+    spec = DraftModelSpec.from_config(config)
+    draft = DeepseekDSparkDraft(spec, dtype=torch.bfloat16, device="meta")
+    heads = RandomHeads(spec.vocab_size, spec.hidden_size, dtype=torch.bfloat16, device=torch.device("meta"))
+    H, L, D, B, W = 4096, 3, 512, 5, 128
+    assert (spec.hidden_size, spec.num_layers, spec.head_dim, spec.block_size, draft.window) == (H, L, D, B, W)
+    _, short, _ = floor_seconds(draft, heads, 8, 100)
+    _, full, _ = floor_seconds(draft, heads, 8, 1024)
+    _, longer, _ = floor_seconds(draft, heads, 8, 8192)
+    assert full == longer  # nothing past the window is read
+    assert full - short == L * 8 * (W - 100) * D * 2  # bf16 K=V rows, once (K = V)
+    # N = 1: 5 rows x top-3 touch E (1 - (1 - 1/E)^15) of the 128 experts (3 x H x 2304 bf16 each)
+    touched = 128 * (1 - (1 - 1 / 128) ** 15)
+    experts = L * touched * 3 * H * 2304 * 2
+    non_expert = sum(p.numel() * 2 if p.dtype == torch.bfloat16 else p.numel() * 4
+                     for n, p in draft.named_parameters() if ".experts." not in n and not n.startswith("main_proj."))  # fmt: skip
+    lm_head = spec.vocab_size * H * 2
+    floor_s, nbytes, _ = floor_seconds(draft, heads, 1, 1024)
+    assert abs(nbytes - (experts + non_expert + lm_head + L * W * D * 2)) <= 1
+    assert abs(floor_s - nbytes / HBM_BYTES_PER_S) < 1e-9  # bytes, not FLOPs, bound one request
