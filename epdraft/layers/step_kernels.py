@@ -12,7 +12,8 @@ family (`epdraft.kernels`).
     op                 implementations
     step_ops           "triton": norms with the residual add, q/k norm + rotary + KV-pool write, the
                        router's logits and top-k, gated activation, the FFN output add, non-finite
-                       flags (`kernels.step.ops`); "torch": the torch chains they equal
+                       flags (`kernels.step.ops`), a DeepSeek DSpark draft's mHC mixing
+                       (`kernels.step.hc`); "torch": the torch chains they equal
     projections        "skinny": one launch per projection group up to `skinny.MAX_ROWS` rows,
                        cuBLAS above (`kernels.step.skinny`); "torch": nn.Linear
     attention          "triton": block attention read in place from the KV pool

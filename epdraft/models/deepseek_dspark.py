@@ -19,7 +19,8 @@ V4.1 (`spec.deepseek.variant == "v41"`: no per-head q norm, single-pass mHC, tha
 from the architecture description (reference draft_models.md 6b), not yet checked against a released
 V4.1 export.
 
-The attention and the mHC run in torch (no Triton kernel yet); the step has no host sync, so
+The mHC mixing runs as Triton launches with the step's other small ops (`kernels.step.hc`, when
+`kernels.step_ops` is "triton"); the attention runs in torch (no kernel yet). The step has no host sync, so
 `draft.cuda_graphs` replays it from a CUDA graph per bucket like DFlash's (`runtime.graphs`).
 
 Shape legend: N requests, B block rows, H hidden, c hc_mult streams, W window, D head_dim, k drafts.
@@ -64,7 +65,7 @@ class DeepseekDSparkLayer(nn.Module):
         super().__init__()
         d, H, eps = spec.deepseek, spec.hidden_size, spec.rms_norm_eps
         hc = dict(hc_mult=d.hc_mult, sinkhorn_iters=d.hc_sinkhorn_iters, hc_eps=d.hc_eps, norm_eps=eps,
-                  single_pass=d.single_pass, device=device)  # fmt: skip
+                  single_pass=d.single_pass, fused=kernels.step_ops == "triton", device=device)  # fmt: skip
         self.attn_hc = HyperConnection(H, **hc)
         self.attn_norm = DeepseekRMSNorm(H, eps, dtype=dtype, device=device)
         self.attn = DeepseekDSparkAttention(

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epdraft.errors import ConfigError
+from epdraft.kernels.step import hc
 
 
 class HCMixes(NamedTuple):
@@ -154,8 +155,10 @@ class HyperConnection(nn.Module):
     """One sublayer's mHC mixing: fn [M, X], base [M], scale [3] (pre, post, comb), fp32 like the
     checkpoint whatever the model dtype (loads `hc_attn_*` / `hc_ffn_*` by name: module docstring).
 
-    `single_pass` picks V4.1's lagged pre mix over V4's own (decided once, here). `forward` wraps a
-    sublayer; `read_input` / `write_output` split it for a caller that runs the sublayer itself.
+    `single_pass` picks V4.1's lagged pre mix over V4's own, `fused` the Triton launches of
+    `kernels.step.hc` over the torch functions above (both decided once, here; the caller passes
+    `fused` from its resolved StepKernels). `forward` wraps a sublayer; `read_input` / `write_output`
+    split it for a caller that runs the sublayer itself.
     """
 
     def __init__(
@@ -167,12 +170,16 @@ class HyperConnection(nn.Module):
         hc_eps: float,
         norm_eps: float,
         single_pass: bool,
+        fused: bool = False,
         device: torch.device | str | None = None,
     ):
         super().__init__()
         _check_hc(hidden_size, hc_mult, sinkhorn_iters)
         self.hc_mult, self.sinkhorn_iters, self.hc_eps, self.norm_eps = hc_mult, sinkhorn_iters, hc_eps, norm_eps
         self.single_pass = single_pass
+        self._fused = fused and hc.fits(hc_mult)  # a shape the launches do not take keeps the torch path
+        self._collapse = hc.hc_collapse if self._fused else collapse
+        self._write_back = hc.hc_write_back if self._fused else write_back
         num_mixes = (2 + hc_mult) * hc_mult
         kw = dict(dtype=torch.float32, device=device)
         self.fn = nn.Parameter(torch.empty(num_mixes, hc_mult * hidden_size, **kw))
@@ -182,6 +189,9 @@ class HyperConnection(nn.Module):
 
     def mixes(self, x_NcH: torch.Tensor) -> HCMixes:
         """HCMixes (fp32) of streams x_NcH [N, c, H] in any dtype."""
+        if self._fused:
+            return HCMixes(*hc.hc_mixes(x_NcH, self.fn, self.scale, self.base, sinkhorn_iters=self.sinkhorn_iters,
+                                        hc_eps=self.hc_eps, norm_eps=self.norm_eps))  # fmt: skip
         raw_NM = normalized_projection(x_NcH, self.fn, self.norm_eps)
         return split_mixes(
             raw_NM, self.scale, self.base, hc_mult=self.hc_mult, sinkhorn_iters=self.sinkhorn_iters, hc_eps=self.hc_eps
@@ -194,12 +204,12 @@ class HyperConnection(nn.Module):
         pre_Nc = streams.pre_Nc if self.single_pass else m.pre_Nc
         if pre_Nc is None:
             raise ConfigError("a single-pass (V4.1) HyperConnection needs Streams from enter_streams(single_pass=True)")
-        return collapse(streams.x_NcH, pre_Nc), m
+        return self._collapse(streams.x_NcH, pre_Nc), m
 
     def write_output(self, y_NH: torch.Tensor, streams: Streams, m: HCMixes) -> Streams:
         """New streams from the sublayer's output y_NH [N, H] and the streams it read; V4.1 carries
         this sublayer's pre mix on to the next."""
-        x_NcH = write_back(y_NH, streams.x_NcH, m.post_Nc, m.comb_Ncc)
+        x_NcH = self._write_back(y_NH, streams.x_NcH, m.post_Nc, m.comb_Ncc)
         return Streams(x_NcH, m.pre_Nc if self.single_pass else None)
 
     def forward(self, streams: Streams, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> Streams:
