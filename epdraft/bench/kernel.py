@@ -14,7 +14,7 @@ replays (median of `triton.testing.do_bench`), the reference loop eagerly (it sy
 host). `fused` is the whole forward; `align` the routing setup alone; `gemms` the fused forward
 without it (both GEMMs and the top-k sum on a precomputed routing setup), the part comparable to
 kernel-only timings of other fused-MoE kernels. Bytes moved = distinct experts hit x 3*I*H*itemsize + x read + y written; the roofline is
-the 4.3 TB/s a device-to-device copy reaches on one H200. With `--tune`, the listed shapes are
+the copy bandwidth measured on this kind of GPU (`bench.ceilings`: 4.3 TB/s on an H200, 3.0 on an H100). With `--tune`, the listed shapes are
 tuned first and their tables written to `--config-dir`, which the benchmark then reads.
 """
 
@@ -31,6 +31,7 @@ import torch
 
 from epdraft.config.ffn import ActivationSpec
 from epdraft.errors import ConfigError
+from epdraft.bench.ceilings import memory_bytes_per_s
 from epdraft.bench.tune import graph_us, random_routing, tune
 from epdraft.kernels.experts.fused import MXFP4_UPCAST
 from epdraft.kernels.experts.tables import CONFIG_DIR, config_file_name, fit_format, get_config, save_table
@@ -49,7 +50,6 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
 }
 """Name -> (E experts, I per-expert intermediate, H hidden, k)."""
 
-ROOFLINE_BYTES_PER_S = 4.3e12
 
 VARIANTS: dict[str, tuple[str, str, str]] = {
     "bf16": ("bf16", MXFP4_UPCAST, "nibbles"),
@@ -183,7 +183,7 @@ def _bench_one(name: str, num_tokens: int, weights: tuple[ExpertWeights, ExpertW
         **row,
         "experts_hit": experts_hit,
         "bytes": bytes_moved,
-        "roofline_pct": 100 * bytes_moved / (fused_us * 1e-6) / ROOFLINE_BYTES_PER_S,
+        "roofline_pct": 100 * bytes_moved / (fused_us * 1e-6) / memory_bytes_per_s(torch.cuda.get_device_name())[0],
         "tflops": flops / (fused_us * 1e-6) / 1e12,
         "max_err_rel": err.max().item() / scale,
         "mean_err_rel": err.mean().item() / scale,

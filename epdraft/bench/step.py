@@ -8,8 +8,8 @@ pooled step replayed from a CUDA graph; `no-pdl`, the same graph captured with p
 dependent launch off (`epdraft.kernels.launch`: on by default on sm_90+); `sampled`, the graph of
 the sampled readout with every request at `--temperature` (`--top-k`, `--top-p`): what sampling
 adds to a step, timed alternately with the greedy graph (`sampled/graph` is over that greedy
-time, not the `graph` column's). The floor is max(bytes / 4.3 TB/s, FLOPs / 700 TFLOP/s)
-counted from the shapes: the draft's non-expert weights, the experts the step's pairs touch
+time, not the `graph` column's). The floor is max(bytes / copy bandwidth, FLOPs / 700 TFLOP/s)
+counted from the shapes (the copy bandwidth measured on this kind of GPU, `bench.ceilings`): the draft's non-expert weights, the experts the step's pairs touch
 (expected count), the lm_head, and the context K/V read. `kernels` is the eager pooled step's
 CUDA kernel count and `busy ms` their summed device time (torch profiler, launched without PDL:
 with it a kernel's time would include its wait for the kernel before): a graph step longer than
@@ -37,13 +37,13 @@ from pathlib import Path
 import msgspec
 import torch
 
+from epdraft.bench.ceilings import memory_bytes_per_s
 from epdraft.config.sampling import SamplingParams, parse_sampling
 from epdraft.dispatch import StepPlan
 from epdraft.errors import ConfigError
 from epdraft.kernels import launch
 from epdraft.sampling import Readout, seeded
 
-HBM_BYTES_PER_S = 4.3e12  # H200 HBM3e, as reachable by a streaming kernel (device/H200.md)
 TENSOR_FLOPS = 700e12  # bf16 dense, sustained
 
 PRESETS: dict[str, dict] = {
@@ -142,8 +142,9 @@ class RandomHeads(torch.nn.Module):
         return self.head(hidden)
 
 
-def floor_seconds(draft, heads: RandomHeads, n: int, context: int) -> tuple[float, int, float]:
-    """(floor s, bytes, FLOPs) of one step over n requests of `context` rows, from the shapes."""
+def floor_seconds(draft, heads: RandomHeads, n: int, context: int, bytes_per_s: float) -> tuple[float, int, float]:
+    """(floor s, bytes, FLOPs) of one step over n requests of `context` rows, from the shapes, at
+    `bytes_per_s` of memory (`ceilings.memory_bytes_per_s`)."""
     from epdraft.layers.moe import DraftMoE
 
     spec, B = draft.spec, draft.block_size
@@ -167,7 +168,7 @@ def floor_seconds(draft, heads: RandomHeads, n: int, context: int) -> tuple[floa
     head_bytes = heads.head.weight.numel() * heads.head.weight.element_size()
     flops += attn_flops + 2 * rows * heads.head.weight.numel()
     total = other_bytes + expert_bytes + kv_bytes + head_bytes
-    return max(total / HBM_BYTES_PER_S, flops / TENSOR_FLOPS), int(total), flops
+    return max(total / bytes_per_s, flops / TENSOR_FLOPS), int(total), flops
 
 
 def _context_read(draft, n: int, context: int) -> tuple[int, float]:
@@ -276,8 +277,9 @@ def main(args: argparse.Namespace) -> int:
     B, results = spec.block_size, []
     label = str(args.draft) if args.draft else args.preset
     params = sum(p.numel() for p in draft.parameters()) / 1e9
+    bytes_per_s, ceiling = memory_bytes_per_s(torch.cuda.get_device_name())
     print(f"draft {label}: H {spec.hidden_size}, {spec.num_layers} layers, block {B}, {params:.2f}B parameters, "
-          f"bf16, {torch.cuda.get_device_name()}")
+          f"bf16, {torch.cuda.get_device_name()}; floor at the {ceiling}")
     print(f"{'N':>5}{'context':>9}{'cache ms':>10}{'eager ms':>10}{'graph ms':>10}{'no-pdl ms':>10}{'floor ms':>10}"
           f"{'graph/floor':>12}{'cache/graph':>12}{'kernels':>9}{'busy ms':>9}{'sampled ms':>11}{'sampled/graph':>14}")  # fmt: skip
     profiles = []
@@ -324,7 +326,7 @@ def main(args: argparse.Namespace) -> int:
                     caches = _caches_from_pool(draft, pool, n, context)
                     cache = _time_ms(lambda: reference_step(draft, caches, anchors, heads, plan), args.steps, args.warmup)
                     del caches
-            floor_s, nbytes, flops = floor_seconds(draft, heads, n, context)
+            floor_s, nbytes, flops = floor_seconds(draft, heads, n, context, bytes_per_s)
             floor = floor_s * 1e3
             row = dict(kind="step", preset=label, requests=n, context=context, cache_ms=cache, eager_ms=eager,
                        graph_ms=graph, no_pdl_graph_ms=no_pdl, floor_ms=floor, bytes=nbytes, flops=flops, kernels=kernels,
@@ -345,7 +347,7 @@ def main(args: argparse.Namespace) -> int:
         for name, calls, us in top:
             print(f"{calls:>6} x {us / calls:>7.1f} µs = {us:>8.1f} µs  {name[:100]}")
     if args.attention:
-        results += _attention_table(spec, requests, contexts, args, device)
+        results += _attention_table(spec, requests, contexts, args, device, bytes_per_s)
     for row in results:
         print(json.dumps(row))
     if args.json:
@@ -356,7 +358,9 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _attention_table(spec, requests: list[int], contexts: list[int], args, device: torch.device) -> list[dict]:
+def _attention_table(
+    spec, requests: list[int], contexts: list[int], args, device: torch.device, bytes_per_s: float
+) -> list[dict]:
     """One layer's block attention, Triton kernel vs SDPA and flex_attention (on K/V already
     gathered) and SDPA with the gather a pool needs, against the K/V bytes it must read (its floor)."""
     import torch._dynamo
@@ -390,7 +394,7 @@ def _attention_table(spec, requests: list[int], contexts: list[int], args, devic
                 gather_us = 1e3 * _time_ms(lambda: block_attention_reference(q, k, v, slots, lens), args.steps,
                                            args.warmup)  # fmt: skip
                 kv_bytes = 2 * n * g * (context + B) * D * 2
-                floor_us = kv_bytes / HBM_BYTES_PER_S * 1e6
+                floor_us = kv_bytes / bytes_per_s * 1e6
                 flex_text = f"{flex_us:>10.1f}" if flex_us is not None else f"{'-':>10}"
                 dy_text = f"{flex_dy:>11.2e}" if flex_dy is not None else f"{'-':>11}"
                 print(f"{n:>5}{context:>9}{triton_us:>11.1f}{sdpa_us:>10.1f}{flex_text}{dy_text}{gather_us:>16.1f}"

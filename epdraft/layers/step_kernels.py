@@ -17,7 +17,8 @@ family (`epdraft.kernels`).
     projections        "skinny": one launch per projection group up to `skinny.MAX_ROWS` rows,
                        cuBLAS above (`kernels.step.skinny`); "torch": nn.Linear
     attention          "triton": block attention read in place from the KV pool
-                       (`kernels.step.attention`); "torch": the SDPA reference
+                       (`kernels.step.attention`), a DeepSeek DSpark draft's sink attention over its
+                       window (`kernels.step.sink_attention`); "torch": the SDPA / torch references
     experts            "fused": the fused expert kernels (`kernels.experts.fused`); "reference":
                        the per-expert loop (`layers.experts`)
     quantized_experts  the routed experts stay FP8 / MXFP4 as stored and the fused kernels decode
@@ -106,15 +107,12 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
         ffn: DraftMixFFNSpec | None = None,
         layout: MoeLayout | None = None,
         graphs: bool = False,
-        deepseek_attention: bool = False,
     ) -> StepKernels:
         """The fastest implementation of each op that can run on `device` in `dtype` for this draft.
 
         `ffn`: the draft's FFN spec (its quantization and MoE layers decide the experts' storage);
         `layout`: the rank's MoE layout (a moe_tp slice keeps no quantized experts; graphs need a
-        capturable dispatch); `graphs`: `draft.cuda_graphs`; `deepseek_attention`: the draft is a
-        DeepSeek DSpark draft, whose attention (one shared K=V head, sinks, a window ring) has no
-        kernel yet (its torch path captures).
+        capturable dispatch); `graphs`: `draft.cuda_graphs`.
 
         Raises ConfigError naming draft.cuda_graphs when graphs are asked for and the step cannot
         be captured here (CPU, a dispatch that syncs with the host, experts on the reference loop).
@@ -122,8 +120,6 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
         device_type = torch.device(device).type
         has_moe = ffn is not None and bool(ffn.moe_layers)
         why = {op: unsupported_reason(device_type, dtype) for op, (_, _, unsupported_reason) in FAMILIES.items()}
-        if deepseek_attention and why["attention"] is None:
-            why["attention"] = "the DeepSeek DSpark attention runs its torch path (no kernel yet, issue 31)"
         tp_size = layout.tp_size if layout is not None else 1
         quantized_why = quantized_experts_reason(ffn, tp_size=tp_size, device_type=device_type, dtype=dtype)
         quantized_why = quantized_why or why["experts"]

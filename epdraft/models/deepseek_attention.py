@@ -4,8 +4,8 @@ RoPE, per-head sinks, grouped low-rank output, block queries over a block-anchor
 V4.1 (`q_norm=False`) follows the architecture description (reference draft_models.md 6b), not yet
 checked against a released V4.1 export.
 
-Served by `DeepseekDSparkDraft` (deepseek_dspark.py); plain torch here (the oracle a
-kernel would be tested against).
+Served by `DeepseekDSparkDraft` (deepseek_dspark.py). The torch code here is the CPU path and the
+oracle of the step's Triton launches (`kernels.step.sink_attention`, `kernels.step.ops.rms_norm`).
 
 Shape legend: N requests, B block rows (the queries), L context positions, S context rows handed to one
 block (a window of at most `window` rows, in any order), h query heads, D head_dim (the one K=V head:
@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from epdraft.errors import ConfigError
+from epdraft.kernels.step import sink_attention
+from epdraft.kernels.step.ops import rms_norm
 
 # DeepSeek's per-stage tensor names (`mtp.{i}.attn.<name>`) -> this module's parameter names (the same
 # names as transformers' `DeepseekV4Attention`, so its state dict loads as is). `q_norm` is DeepSeek's
@@ -115,16 +117,29 @@ def sink_attention(
 
 class DeepseekRMSNorm(nn.Module):
     """DeepSeek's RMSNorm: normalize and scale in fp32, cast the product to the input dtype
-    (as transformers' `DeepseekV4RMSNorm`; Qwen's `attention.RMSNorm` casts before scaling)."""
+    (as transformers' `DeepseekV4RMSNorm`; Qwen's `attention.RMSNorm` casts before scaling).
+    `fused`: one launch (`kernels.step.ops.rms_norm`, the step ops' Triton family), else the torch chain."""
 
     def __init__(
-        self, dim: int, eps: float, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+        self,
+        dim: int,
+        eps: float,
+        *,
+        fused: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
-        self.eps = eps
+        self.eps, self.fused = eps, fused
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return rms_norm(x, self.weight, self.eps, round_first=False)[0]
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch chain (CPU, and the oracle of the fused launch)."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * xf).to(x.dtype)
@@ -152,7 +167,9 @@ class DeepseekDSparkAttention(nn.Module):
         sinks            <- attn_sink [h] (fp32 in the checkpoint; always applied in fp32)
     They equal transformers' `DeepseekV4Attention` names (its sliding layers: no compressor).
     `kv_fake_quant`: every K=V row's non-rope channels go through `fp8_ue8m0_roundtrip` (SpecForge V4
-    exports are trained so).
+    exports are trained so). `fused_norms`: the two norms as one launch each (`DeepseekRMSNorm`);
+    `fused_attention`: the attention proper (scores, sinks, softmax, values, the inverse rotation) as
+    one launch (`kernels.step.sink_attention`, where its shapes fit), else `sink_attention` in torch.
     DeepSeek's FP8 linears must be dequantized before loading (not handled here).
 
     Raises ConfigError for shapes that cannot be laid out (h not divisible by G, R odd or > D).
@@ -172,6 +189,8 @@ class DeepseekDSparkAttention(nn.Module):
         rms_norm_eps: float,
         q_norm: bool,
         kv_fake_quant: bool = False,
+        fused_norms: bool = False,
+        fused_attention: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ):
@@ -188,13 +207,14 @@ class DeepseekDSparkAttention(nn.Module):
         self.o_groups, self.o_lora_rank = o_groups, o_lora_rank
         self.rope_theta, self.eps, self.q_norm = rope_theta, rms_norm_eps, q_norm
         self.kv_fake_quant = kv_fake_quant
+        self.fused_attention = fused_attention and sink_attention.fits(head_dim, rope_head_dim)
         self.scale = head_dim**-0.5
         kw = dict(dtype=dtype, device=device)
         self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False, **kw)
-        self.q_a_norm = DeepseekRMSNorm(q_lora_rank, rms_norm_eps, **kw)
+        self.q_a_norm = DeepseekRMSNorm(q_lora_rank, rms_norm_eps, fused=fused_norms, **kw)
         self.q_b_proj = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False, **kw)
         self.kv_proj = nn.Linear(hidden_size, head_dim, bias=False, **kw)
-        self.kv_norm = DeepseekRMSNorm(head_dim, rms_norm_eps, **kw)
+        self.kv_norm = DeepseekRMSNorm(head_dim, rms_norm_eps, fused=fused_norms, **kw)
         self.o_a_proj = nn.Linear(num_heads * head_dim // o_groups, o_groups * o_lora_rank, bias=False, **kw)
         self.o_b_proj = nn.Linear(o_groups * o_lora_rank, hidden_size, bias=False, **kw)
         self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32, device=device))
@@ -235,13 +255,17 @@ class DeepseekDSparkAttention(nn.Module):
             q = (qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + self.eps)).to(q.dtype)
         q = apply_interleaved_rope(q, cos.unsqueeze(2), sin.unsqueeze(2))
         kv_blk = self._kv(x_NBH, cos, sin)
-        kv_NSD = torch.cat([kv_ctx_NSD.to(kv_blk.dtype), kv_blk], dim=1)
-        block_valid = torch.ones(N, B, dtype=torch.bool, device=x_NBH.device)
-        valid_NS = torch.cat([ctx_valid_NS.to(torch.bool), block_valid], dim=1)
-        o_NBhD = sink_attention(q, kv_NSD, valid_NS, self.sinks, self.scale)
-        # K = V: the output's rope slice is a mix of rotated key rows; undo the rotation at the query's
-        # position, so each row's contribution depends on the relative distance only.
-        o_NBhD = apply_interleaved_rope(o_NBhD, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True).to(x_NBH.dtype)
+        if self.fused_attention:
+            o_NBhD = sink_attention.sink_block_attention(q, kv_ctx_NSD, ctx_valid_NS, kv_blk, self.sinks, cos, sin,
+                                                         self.scale)  # fmt: skip
+        else:
+            kv_NSD = torch.cat([kv_ctx_NSD.to(kv_blk.dtype), kv_blk], dim=1)
+            block_valid = torch.ones(N, B, dtype=torch.bool, device=x_NBH.device)
+            valid_NS = torch.cat([ctx_valid_NS.to(torch.bool), block_valid], dim=1)
+            o_NBhD = sink_attention(q, kv_NSD, valid_NS, self.sinks, self.scale)
+            # K = V: the output's rope slice is a mix of rotated key rows; undo the rotation at the query's
+            # position, so each row's contribution depends on the relative distance only.
+            o_NBhD = apply_interleaved_rope(o_NBhD, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True).to(x_NBH.dtype)
         G = self.o_groups
         w_a = self.o_a_proj.weight.view(G, self.o_lora_rank, h * D // G)
         o_NBGr = torch.einsum("nbgi,gri->nbgr", o_NBhD.reshape(N, B, G, h * D // G), w_a)

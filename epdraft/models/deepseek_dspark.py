@@ -19,8 +19,10 @@ V4.1 (`spec.deepseek.variant == "v41"`: no per-head q norm, single-pass mHC, tha
 from the architecture description (reference draft_models.md 6b), not yet checked against a released
 V4.1 export.
 
-The mHC mixing runs as Triton launches with the step's other small ops (`kernels.step.hc`, when
-`kernels.step_ops` is "triton"); the attention runs in torch (no kernel yet). The step has no host sync, so
+On CUDA the norms and the mHC mixing run as Triton launches with the step's other small ops
+(`kernels.step.hc`, when `kernels.step_ops` is "triton") and the attention proper as one launch
+(`kernels.step.sink_attention`, with `kernels.attention`); the projections, rotary and the K=V row's
+FP8 round trip stay torch. The step has no host sync, so
 `draft.cuda_graphs` replays it from a CUDA graph per bucket like DFlash's (`runtime.graphs`).
 
 Shape legend: N requests, B block rows, H hidden, c hc_mult streams, W window, D head_dim, k drafts.
@@ -64,17 +66,18 @@ class DeepseekDSparkLayer(nn.Module):
     ):
         super().__init__()
         d, H, eps = spec.deepseek, spec.hidden_size, spec.rms_norm_eps
+        fused = kernels.step_ops == "triton"  # the mHC mixing and the norms as Triton launches
         hc = dict(hc_mult=d.hc_mult, sinkhorn_iters=d.hc_sinkhorn_iters, hc_eps=d.hc_eps, norm_eps=eps,
-                  single_pass=d.single_pass, fused=kernels.step_ops == "triton", device=device)  # fmt: skip
+                  single_pass=d.single_pass, fused=fused, device=device)  # fmt: skip
         self.attn_hc = HyperConnection(H, **hc)
-        self.attn_norm = DeepseekRMSNorm(H, eps, dtype=dtype, device=device)
+        self.attn_norm = DeepseekRMSNorm(H, eps, fused=fused, dtype=dtype, device=device)
         self.attn = DeepseekDSparkAttention(
             H, spec.num_heads, d.q_lora_rank, spec.head_dim, d.rope_head_dim, d.o_groups, d.o_lora_rank,
             rope_theta=spec.rope_theta, rms_norm_eps=eps, q_norm=d.q_norm, kv_fake_quant=d.kv_fake_quant,
-            dtype=dtype, device=device,
+            fused_norms=fused, fused_attention=kernels.attention == "triton", dtype=dtype, device=device,
         )  # fmt: skip
         self.ffn_hc = HyperConnection(H, **hc)
-        self.ffn_norm = DeepseekRMSNorm(H, eps, dtype=dtype, device=device)
+        self.ffn_norm = DeepseekRMSNorm(H, eps, fused=fused, dtype=dtype, device=device)
         self.mlp: DraftMLP | DraftMoE = build_ffn(spec.ffn, layer_id, H, dtype=dtype, device=device,
                                                   dispatcher=dispatcher, kernels=kernels)  # fmt: skip
 
@@ -121,11 +124,12 @@ class DeepseekDSparkDraft(nn.Module):
             raise ConfigError(f"kind = {spec.kind!r}: DeepseekDSparkDraft serves dspark_v4 drafts only")
         if kernels is None:
             layout = dispatcher.layout if dispatcher is not None else None
-            kernels = StepKernels.resolve(device, dtype, ffn=spec.ffn, layout=layout, deepseek_attention=True)
+            kernels = StepKernels.resolve(device, dtype, ffn=spec.ffn, layout=layout)
         self.spec, self.kernels = spec, kernels
         H, d = spec.hidden_size, spec.deepseek
         self.main_proj = nn.Linear(spec.num_target_features * H, H, bias=False, dtype=dtype, device=device)
-        self.main_norm = DeepseekRMSNorm(H, spec.rms_norm_eps, dtype=dtype, device=device)
+        fused = kernels.step_ops == "triton"
+        self.main_norm = DeepseekRMSNorm(H, spec.rms_norm_eps, fused=fused, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
             DeepseekDSparkLayer(spec, i, dtype=dtype, device=device, dispatcher=dispatcher, kernels=kernels)
             for i in range(spec.num_layers)
@@ -133,7 +137,7 @@ class DeepseekDSparkDraft(nn.Module):
         # V4.1 reads out with the lagged pre mix the streams carry: no readout weights.
         self.hc_head: HyperHead | None = None if d.single_pass else HyperHead(H, hc_mult=d.hc_mult, hc_eps=d.hc_eps,
                                                              norm_eps=spec.rms_norm_eps, device=device)  # fmt: skip
-        self.norm = DeepseekRMSNorm(H, spec.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = DeepseekRMSNorm(H, spec.rms_norm_eps, fused=fused, dtype=dtype, device=device)
         self.markov_head = MarkovHead("vanilla", spec.vocab_size, spec.markov_rank, H, dtype=dtype, device=device,
                                       fused_sampling=kernels.sampling == "triton")  # fmt: skip
         # The export always holds the confidence head; `enable_confidence_head` says whether to report it.

@@ -163,8 +163,7 @@ class DraftRuntime:
         """
         spec = spec if spec is not None else read_draft_spec(draft_path)
         dtype = dtype if dtype is not None else default_dtype(device)
-        kernels = StepKernels.resolve(device, dtype, ffn=spec.ffn, layout=layout, graphs=graphs,
-                                      deepseek_attention=spec.kind == "dspark_v4")  # fmt: skip
+        kernels = StepKernels.resolve(device, dtype, ffn=spec.ffn, layout=layout, graphs=graphs)
         dispatcher = make_dispatcher(layout, groups.moe if layout.layout != "replicated" else None)
         if timers is not None and not kernels.graphs:
             dispatcher = TimedDispatcher(dispatcher, timers)

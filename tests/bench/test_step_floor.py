@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from epdraft.bench.step import DSPARK_PRESETS, HBM_BYTES_PER_S, RandomHeads, floor_seconds
+from epdraft.bench.ceilings import memory_bytes_per_s
+from epdraft.bench.step import DSPARK_PRESETS, RandomHeads, floor_seconds
 from epdraft.models.deepseek_dspark import DeepseekDSparkDraft
 from epdraft.models.spec import DraftModelSpec
+
+
+RATE = 3.0e12
 
 
 def test_v41_flash_floor_reads_the_window_only():
@@ -18,9 +22,9 @@ def test_v41_flash_floor_reads_the_window_only():
     heads = RandomHeads(spec.vocab_size, spec.hidden_size, dtype=torch.bfloat16, device=torch.device("meta"))
     H, L, D, B, W = 4096, 3, 512, 5, 128
     assert (spec.hidden_size, spec.num_layers, spec.head_dim, spec.block_size, draft.window) == (H, L, D, B, W)
-    _, short, _ = floor_seconds(draft, heads, 8, 100)
-    _, full, _ = floor_seconds(draft, heads, 8, 1024)
-    _, longer, _ = floor_seconds(draft, heads, 8, 8192)
+    _, short, _ = floor_seconds(draft, heads, 8, 100, RATE)
+    _, full, _ = floor_seconds(draft, heads, 8, 1024, RATE)
+    _, longer, _ = floor_seconds(draft, heads, 8, 8192, RATE)
     assert full == longer  # nothing past the window is read
     assert full - short == L * 8 * (W - 100) * D * 2  # bf16 K=V rows, once (K = V)
     # N = 1: 5 rows x top-3 touch E (1 - (1 - 1/E)^15) of the 128 experts (3 x H x 2304 bf16 each)
@@ -29,6 +33,13 @@ def test_v41_flash_floor_reads_the_window_only():
     non_expert = sum(p.numel() * 2 if p.dtype == torch.bfloat16 else p.numel() * 4
                      for n, p in draft.named_parameters() if ".experts." not in n and not n.startswith("main_proj."))  # fmt: skip
     lm_head = spec.vocab_size * H * 2
-    floor_s, nbytes, _ = floor_seconds(draft, heads, 1, 1024)
+    floor_s, nbytes, _ = floor_seconds(draft, heads, 1, 1024, RATE)
     assert abs(nbytes - (experts + non_expert + lm_head + L * W * D * 2)) <= 1
-    assert abs(floor_s - nbytes / HBM_BYTES_PER_S) < 1e-9  # bytes, not FLOPs, bound one request
+    assert abs(floor_s - nbytes / RATE) < 1e-9  # bytes, not FLOPs, bound one request
+
+
+def test_each_kind_of_gpu_gets_its_own_measured_copy_rate():
+    assert memory_bytes_per_s("NVIDIA H100 80GB HBM3") == (3.0e12, "H100 copy 3.0 TB/s")
+    assert memory_bytes_per_s("NVIDIA H200")[0] == 4.3e12
+    rate, label = memory_bytes_per_s("NVIDIA A100-SXM4-80GB")
+    assert rate == 4.3e12 and label.startswith("no measurement for NVIDIA A100")

@@ -143,12 +143,3 @@ def test_layers_and_models_decide_nothing_per_call_from_the_device():
              if p.name != "step_kernels.py"
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]  # fmt: skip
     assert not found, "per-call device decisions outside StepKernels:\n" + "\n".join(found)
-
-
-def test_a_deepseek_dspark_draft_keeps_its_torch_attention_and_captures(triton_here):
-    kernels = StepKernels.resolve("cuda", torch.bfloat16, ffn=_ffn(_moe()), deepseek_attention=True)
-    assert kernels.attention == "torch" and kernels.step_ops == "triton"
-    assert any(r.startswith("attention: the DeepSeek DSpark attention") for r in kernels.reasons)
-    captured = StepKernels.resolve("cuda", torch.bfloat16, ffn=_ffn(_moe()), layout=_layout(), graphs=True,
-                                   deepseek_attention=True)  # fmt: skip
-    assert captured.graphs and captured.attention == "torch"

@@ -18,10 +18,11 @@ from epdraft.kernels._launch_triton import enter
 def rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr,
     H, stride_x, stride_r, stride_o, stride_s, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, ROUND_FIRST: tl.constexpr = True,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """One row: [s = x + r (rounded, stored)], out = w * (s * rsqrt(mean(s^2) + eps) rounded)."""
+    """One row: [s = x + r (rounded, stored)], out = w * (s * rsqrt(mean(s^2) + eps) rounded), or with
+    ROUND_FIRST off w * (s * rsqrt(...)) in fp32, rounded once (DeepSeek's norm)."""
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
@@ -33,7 +34,9 @@ def rms_norm_kernel(
         tl.store(sum_ptr + row * stride_s + offs, s, mask=ok)
         x = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    normed = x * rstd
+    if ROUND_FIRST:
+        normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
 

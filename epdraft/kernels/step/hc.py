@@ -10,7 +10,7 @@ step's ~1350 launches, 4.4x its floor at one request (docs/performance.md). Here
     hc_collapse    = collapse
     hc_write_back  = write_back
 
-Each equals that torch function to fp32 rounding order (tests/gpu/test_hc_kernels.py). Grids
+Each equals that torch function to fp32 rounding order (tests/gpu/test_deepseek_kernels.py). Grids
 depend on shapes only; the split width depends on the stream width alone, so a row's mixes do not
 depend on the rows around it. No launch reads a tensor on the host: a CUDA graph can hold them.
 """

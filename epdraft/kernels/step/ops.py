@@ -45,11 +45,12 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *, round_first: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, s) with s = x + residual (x itself without one) and normed = `RMSNorm` of s:
     weight * (s * rsqrt(mean(s^2) + eps)) rounded to x's dtype before the scale
-    (`epdraft.models.attention.RMSNorm.reference`). One program per row."""
+    (`epdraft.models.attention.RMSNorm.reference`), or with `round_first=False` scaled in fp32 and
+    rounded once (`epdraft.models.deepseek_attention.DeepseekRMSNorm`). One program per row."""
     launch.refuse_autograd("rms_norm", x, residual)
     from epdraft.kernels.step._step_triton import rms_norm_kernel
 
@@ -64,7 +65,8 @@ def rms_norm(
     if x2.shape[0]:
         rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, s2, H, x2.stride(0), r2.stride(0), out.stride(0), s2.stride(0), eps,
-            HAS_RESIDUAL=residual is not None, BLOCK_H=next_pow2(H), num_warps=4 if H <= 4096 else 8,
+            HAS_RESIDUAL=residual is not None, BLOCK_H=next_pow2(H), ROUND_FIRST=round_first,
+            num_warps=4 if H <= 4096 else 8,
             **launch.kwargs(x.device),
         )  # fmt: skip
     return out.view(shape), s2.view(shape)
