@@ -9,8 +9,8 @@ dependent launch off (`epdraft.kernels.launch`: on by default on sm_90+); `sampl
 the sampled readout with every request at `--temperature` (`--top-k`, `--top-p`): what sampling
 adds to a step, timed alternately with the greedy graph (`sampled/graph` is over that greedy
 time, not the `graph` column's). The floor is max(bytes / copy bandwidth, FLOPs / 700 TFLOP/s)
-counted from the shapes (the copy bandwidth measured on this kind of GPU, `bench.ceilings`): the draft's non-expert weights, the experts the step's pairs touch
-(expected count), the lm_head, and the context K/V read. `kernels` is the eager pooled step's
+counted from the shapes (the copy bandwidth measured on this kind of GPU, `bench.ceilings`): the draft's non-expert weights, the experts the step's routing
+picked (counted in one eager step: random weights route unevenly), the lm_head, and the context K/V read. `kernels` is the eager pooled step's
 CUDA kernel count and `busy ms` their summed device time (torch profiler, launched without PDL:
 with it a kernel's time would include its wait for the kernel before): a graph step longer than
 `busy` spends the difference between launches; `--profile K` prints its K costliest kernels. Prints a table and one JSON line per point (`--json FILE`
@@ -142,12 +142,16 @@ class RandomHeads(torch.nn.Module):
         return self.head(hidden)
 
 
-def floor_seconds(draft, heads: RandomHeads, n: int, context: int, bytes_per_s: float) -> tuple[float, int, float]:
+def floor_seconds(
+    draft, heads: RandomHeads, n: int, context: int, bytes_per_s: float, touched: list[int] | None = None
+) -> tuple[float, int, float]:
     """(floor s, bytes, FLOPs) of one step over n requests of `context` rows, from the shapes, at
-    `bytes_per_s` of memory (`ceilings.memory_bytes_per_s`)."""
+    `bytes_per_s` of memory (`ceilings.memory_bytes_per_s`). `touched`: the distinct experts each MoE
+    layer's routing picked (`touched_experts`); None: the count uniform routing would expect."""
     from epdraft.layers.moe import DraftMoE
 
     spec, B = draft.spec, draft.block_size
+    moe_index = 0
     rows = n * B
     # The target features' projection runs on the context (extend), not in the step.
     features = "main_proj." if spec.deepseek is not None else "fc."
@@ -160,15 +164,37 @@ def floor_seconds(draft, heads: RandomHeads, n: int, context: int, bytes_per_s: 
     for m in draft.modules():
         if isinstance(m, DraftMoE):
             E, K = m.spec.num_experts, m.spec.top_k
-            touched = E * (1 - (1 - 1 / E) ** (rows * K))
+            hit = touched[moe_index] if touched is not None else E * (1 - (1 - 1 / E) ** (rows * K))
+            moe_index += 1
             per_expert = sum(p[0].numel() * p.element_size() for p in (m.experts.w13, m.experts.w2))
-            expert_bytes += touched * per_expert
+            expert_bytes += hit * per_expert
             flops += 2 * rows * K * per_expert / m.experts.w13.element_size()
     kv_bytes, attn_flops = _context_read(draft, n, context)
     head_bytes = heads.head.weight.numel() * heads.head.weight.element_size()
     flops += attn_flops + 2 * rows * heads.head.weight.numel()
     total = other_bytes + expert_bytes + kv_bytes + head_bytes
     return max(total / bytes_per_s, flops / TENSOR_FLOPS), int(total), flops
+
+
+def touched_experts(draft, step) -> list[int]:
+    """The distinct experts each MoE layer's router picks in one call of `step()` (an eager step):
+    random weights route unevenly, to fewer experts than uniform routing would, so a floor from the
+    expected count would be too high."""
+    from epdraft.layers.moe import DraftMoE
+
+    picked: list[set[int]] = []
+    hooks = []
+    for m in draft.modules():
+        if isinstance(m, DraftMoE):
+            picked.append(set())
+            hooks.append(m.router.register_forward_hook(
+                lambda _m, _args, out, ids=picked[-1]: ids.update(out[0].flatten().tolist())))  # fmt: skip
+    try:
+        step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [len(ids) for ids in picked]
 
 
 def _context_read(draft, n: int, context: int) -> tuple[int, float]:
@@ -326,10 +352,13 @@ def main(args: argparse.Namespace) -> int:
                     caches = _caches_from_pool(draft, pool, n, context)
                     cache = _time_ms(lambda: reference_step(draft, caches, anchors, heads, plan), args.steps, args.warmup)
                     del caches
-            floor_s, nbytes, flops = floor_seconds(draft, heads, n, context, bytes_per_s)
+            with torch.no_grad():
+                touched = touched_experts(draft, lambda: draft.step(pool, slots, anchors, heads, plan))
+            floor_s, nbytes, flops = floor_seconds(draft, heads, n, context, bytes_per_s, touched)
             floor = floor_s * 1e3
             row = dict(kind="step", preset=label, requests=n, context=context, cache_ms=cache, eager_ms=eager,
-                       graph_ms=graph, no_pdl_graph_ms=no_pdl, floor_ms=floor, bytes=nbytes, flops=flops, kernels=kernels,
+                       graph_ms=graph, no_pdl_graph_ms=no_pdl, floor_ms=floor, bytes=nbytes, flops=flops,
+                       experts_touched=touched, kernels=kernels,
                        busy_ms=busy_us / 1e3, sampled_graph_ms=sampled, greedy_graph_ms_beside_sampled=greedy, sampling=sampling and msgspec.to_builtins(sampling),
                        graph_equals_eager=same, device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
             results.append(row)

@@ -43,3 +43,28 @@ def test_each_kind_of_gpu_gets_its_own_measured_copy_rate():
     assert memory_bytes_per_s("NVIDIA H200")[0] == 4.3e12
     rate, label = memory_bytes_per_s("NVIDIA A100-SXM4-80GB")
     assert rate == 4.3e12 and label.startswith("no measurement for NVIDIA A100")
+
+
+@torch.no_grad()
+def test_touched_experts_counts_what_the_routers_picked():
+    """A bias that makes every token pick experts 0 and 1 (top-2 of 4): each layer touched 2, and the
+    floor counts 2 experts a layer, not the ~4 uniform routing would expect at this many rows."""
+    from epdraft.bench.step import touched_experts
+    from tests.models.test_deepseek_dspark import make_draft
+
+    draft = make_draft()
+    heads = RandomHeads(draft.spec.vocab_size, draft.spec.hidden_size, dtype=torch.float32, device=torch.device("cpu"))
+    for layer in draft.layers:
+        layer.mlp.router.weight.zero_()
+        layer.mlp.router.bias.copy_(torch.tensor([9.0, 8.0, 0, 0]))
+    pool = draft.new_pool(max_requests=4, max_context=32)
+    for rid in range(4):
+        pool.admit(rid)
+    slots, anchors = torch.arange(4), torch.tensor([3, 5, 7, 9])
+    touched = touched_experts(draft, lambda: draft.step(pool, slots, anchors, heads, None))
+    assert touched == [2] * len(draft.layers)
+    uniform = floor_seconds(draft, heads, 4, 8, RATE)[1]
+    counted = floor_seconds(draft, heads, 4, 8, RATE, touched)[1]
+    per_expert = sum(t[0].numel() * 4 for t in (draft.layers[0].mlp.experts.w13, draft.layers[0].mlp.experts.w2))
+    expected = 4 * (1 - (1 - 1 / 4) ** (4 * 5 * 2))
+    assert abs((uniform - counted) - len(draft.layers) * (expected - 2) * per_expert) <= 2
