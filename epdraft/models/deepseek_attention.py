@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from epdraft.errors import ConfigError
-from epdraft.kernels.step import sink_attention
+from epdraft.kernels.step import sink_attention as sink_kernel
 from epdraft.kernels.step.ops import rms_norm
 
 # DeepSeek's per-stage tensor names (`mtp.{i}.attn.<name>`) -> this module's parameter names (the same
@@ -207,7 +207,7 @@ class DeepseekDSparkAttention(nn.Module):
         self.o_groups, self.o_lora_rank = o_groups, o_lora_rank
         self.rope_theta, self.eps, self.q_norm = rope_theta, rms_norm_eps, q_norm
         self.kv_fake_quant = kv_fake_quant
-        self.fused_attention = fused_attention and sink_attention.fits(head_dim, rope_head_dim)
+        self.fused_attention = fused_attention and sink_kernel.fits(head_dim, rope_head_dim)
         self.scale = head_dim**-0.5
         kw = dict(dtype=dtype, device=device)
         self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False, **kw)
@@ -256,8 +256,8 @@ class DeepseekDSparkAttention(nn.Module):
         q = apply_interleaved_rope(q, cos.unsqueeze(2), sin.unsqueeze(2))
         kv_blk = self._kv(x_NBH, cos, sin)
         if self.fused_attention:
-            o_NBhD = sink_attention.sink_block_attention(q, kv_ctx_NSD, ctx_valid_NS, kv_blk, self.sinks, cos, sin,
-                                                         self.scale)  # fmt: skip
+            o_NBhD = sink_kernel.sink_block_attention(q, kv_ctx_NSD, ctx_valid_NS, kv_blk, self.sinks, cos, sin,
+                                                      self.scale)  # fmt: skip
         else:
             kv_NSD = torch.cat([kv_ctx_NSD.to(kv_blk.dtype), kv_blk], dim=1)
             block_valid = torch.ones(N, B, dtype=torch.bool, device=x_NBH.device)

@@ -283,3 +283,12 @@ def test_bad_shapes_raise_config_error():
         DeepseekDSparkAttention(64, 4, 16, 32, 8, 3, 16, rope_theta=THETA, rms_norm_eps=EPS, q_norm=False)
     with pytest.raises(ConfigError, match="rope_head_dim 7 must be even"):
         DeepseekDSparkAttention(64, 4, 16, 32, 7, 2, 16, rope_theta=THETA, rms_norm_eps=EPS, q_norm=False)
+
+
+def test_the_fused_attention_is_taken_only_where_its_shapes_fit():
+    """`fused_attention` asks for the one-launch kernel (kernels.step.sink_attention); a head whose
+    width or rope slice is not a multiple of its 64-channel chunks keeps the torch path."""
+    kw = dict(rope_theta=THETA, rms_norm_eps=EPS, q_norm=False, fused_attention=True)
+    assert DeepseekDSparkAttention(64, 4, 16, 128, 64, 2, 16, **kw).fused_attention
+    assert not DeepseekDSparkAttention(64, 4, 16, 32, 8, 2, 16, **kw).fused_attention
+    assert not DeepseekDSparkAttention(64, 4, 16, 128, 64, 2, 16, **{**kw, "fused_attention": False}).fused_attention
