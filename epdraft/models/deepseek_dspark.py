@@ -139,7 +139,7 @@ class DeepseekDSparkDraft(nn.Module):
                                                              norm_eps=spec.rms_norm_eps, device=device)  # fmt: skip
         self.norm = DeepseekRMSNorm(H, spec.rms_norm_eps, fused=fused, dtype=dtype, device=device)
         self.markov_head = MarkovHead("vanilla", spec.vocab_size, spec.markov_rank, H, dtype=dtype, device=device,
-                                      fused_sampling=kernels.sampling == "triton")  # fmt: skip
+                                      fused_readout=kernels.sampling == "triton")  # fmt: skip
         # The export always holds the confidence head; `enable_confidence_head` says whether to report it.
         self.confidence_head = nn.Module()
         self.confidence_head.proj = nn.Linear(H + spec.markov_rank, 1, bias=False, dtype=torch.float32, device=device)

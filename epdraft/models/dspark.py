@@ -19,6 +19,7 @@ from torch import nn
 
 from epdraft.dispatch import Dispatcher
 from epdraft.errors import ConfigError
+from epdraft.kernels.sample.markov_argmax import markov_argmax
 from epdraft.layers.step_kernels import StepKernels
 from epdraft.models.dflash import DFlashDraft, SampledReadout, TargetHeads
 from epdraft.sampling import propose_tokens
@@ -42,14 +43,15 @@ def rnn_step(
 class MarkovHead(nn.Module):
     """`markov_w1` = Embedding [V, r] of the previous token, `markov_w2` = Linear r -> V (no bias);
     the gated head adds `gate_proj` Linear(H + r -> r), the rnn head `joint_proj` Linear(2r + H -> 3r).
-    `fused_sampling`: sampled drafts are drawn in one launch per position (`StepKernels.sampling`)."""
+    `fused_readout` (`StepKernels.sampling` is "triton"): sampled drafts are drawn in one launch per
+    position (`kernels.sample.propose`), greedy ones by two (`kernels.sample.markov_argmax`)."""
 
     def __init__(
-        self, kind: str, vocab_size: int, rank: int, hidden_size: int, *, dtype, device, fused_sampling: bool = False
+        self, kind: str, vocab_size: int, rank: int, hidden_size: int, *, dtype, device, fused_readout: bool = False
     ):
         super().__init__()
         self.kind = kind
-        self.fused_sampling = fused_sampling
+        self.fused_readout = fused_readout
         kw = dict(dtype=dtype, device=device)
         self.markov_w1 = nn.Embedding(vocab_size, rank, **kw)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False, **kw)
@@ -70,7 +72,8 @@ class MarkovHead(nn.Module):
         their processed distribution, which is then q of that position given the drafts before it."""
         N, k = base_NkV.shape[:2]
         prev = anchors_N.to(base_NkV.device)
-        w2 = self.markov_w2.weight.float()
+        greedy_launch = sampling is None and self.fused_readout
+        w2 = self.markov_w2.weight if greedy_launch else self.markov_w2.weight.float()
         state = base_NkV.new_zeros(N, self.markov_w1.embedding_dim, dtype=torch.float32)
         drafts, probs = [], []
         for i in range(k):
@@ -81,12 +84,14 @@ class MarkovHead(nn.Module):
                 state, latent = rnn_step(state, e, h, self.joint_proj.weight.float(), self.joint_proj.bias.float())
             else:
                 latent = e
-            logits_NV = base_NkV[:, i].float() + latent @ w2.T
-            if sampling is None:
-                prev = logits_NV.argmax(dim=-1)
+            if greedy_launch:  # the logits are never materialized
+                prev = markov_argmax(base_NkV[:, i], latent, w2)
+            elif sampling is None:
+                prev = (base_NkV[:, i].float() + latent @ w2.T).argmax(dim=-1)
             else:
-                tokens_N1, q_N1V = propose_tokens(logits_NV.unsqueeze(1), sampling.batch, sampling.first_N + i,
-                                                  fused=self.fused_sampling)  # fmt: skip
+                logits_N1V = (base_NkV[:, i].float() + latent @ w2.T).unsqueeze(1)
+                tokens_N1, q_N1V = propose_tokens(logits_N1V, sampling.batch, sampling.first_N + i,
+                                                  fused=self.fused_readout)  # fmt: skip
                 prev = tokens_N1[:, 0]
                 probs.append(q_N1V)
             drafts.append(prev)
@@ -122,7 +127,7 @@ class DSparkDraft(DFlashDraft):
         super().__init__(spec, dtype=dtype, device=device, dispatcher=dispatcher, kernels=kernels)
         self.markov_head = MarkovHead(
             spec.markov_head_type, spec.vocab_size, spec.markov_rank, spec.hidden_size, dtype=dtype, device=device,
-            fused_sampling=self.kernels.sampling == "triton",
+            fused_readout=self.kernels.sampling == "triton",
         )  # fmt: skip
         self.confidence_head: ConfidenceHead | None = None
         if spec.enable_confidence_head:

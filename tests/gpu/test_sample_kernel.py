@@ -1,7 +1,8 @@
 """The one-launch sampled readout (`kernels.sample.propose`) against the torch chain it replaces
 (`epdraft.sampling.propose_tokens` on its tensor ops): the same uniforms bit for bit (the hash is
 integer arithmetic), q to a few fp32 ulps (the GPU's exp), the same tokens; greedy rows one-hot at
-the first maximum; and the draws distributed as q (chi-square, fixed seeds)."""
+the first maximum; and the draws distributed as q (chi-square, fixed seeds). The Markov head's
+greedy argmax without logits (`kernels.sample.markov_argmax`) against the fp32 logits' argmax."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import pytest
 import torch
 
 from epdraft.config.sampling import SamplingParams
+from epdraft.kernels.sample.markov_argmax import markov_argmax
 from epdraft.kernels.sample.propose import propose_sampled
 from epdraft.sampling import SamplingBatch, Stream, propose_tokens
 from tests.sampling.exact import chi_square, chi_square_threshold
 
 pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -53,3 +56,26 @@ def test_kernel_draws_follow_q():
         counts[(t,)] = counts.get((t,), 0) + 1
     stat, dof = chi_square(counts, probs, n)
     assert stat < chi_square_threshold(dof), (stat, dof)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N,V,R", [(1, 129280, 256), (64, 129280, 256), (5, 300, 8), (0, 300, 8)])
+def test_markov_argmax_equals_the_logits_argmax(dtype, N, V, R):
+    """Every row's token is the fp32 logits' argmax, or (rounding of the sum's order) a token whose
+    logit is within 1e-4 of the maximum; an exact tie goes to the first token."""
+    gen = torch.Generator(device=DEVICE).manual_seed(N + V)
+    base = (torch.randn(N, 3, V, generator=gen, device=DEVICE) * 4).to(dtype)[:, 1]  # a strided view, as decode passes
+    latent = torch.randn(N, R, generator=gen, device=DEVICE)
+    w2 = (torch.randn(V, R, generator=gen, device=DEVICE) * R**-0.5).to(dtype)
+    if N > 3:
+        base[3, 7] = base[3, 11] = 1e4  # far above the rest: an exact tie of the two logits' maxima...
+        w2[7], w2[11] = w2[11].clone(), w2[11].clone()  # ...with the same weight rows
+    logits = base.float() + latent @ w2.float().T
+    got = markov_argmax(base, latent, w2)
+    assert got.dtype == torch.long and got.shape == (N,)
+    picked = logits.gather(1, got.unsqueeze(1)).squeeze(1)
+    assert bool((picked >= logits.max(dim=1).values - 1e-4).all())
+    assert (got == logits.argmax(dim=1)).float().mean() >= 0.99 if N else True
+    if N > 3:
+        assert int(got[3]) == 7

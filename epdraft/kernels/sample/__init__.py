@@ -1,1 +1,2 @@
-"""The sampled readout's kernel family: draft tokens drawn from their processed logits in one launch."""
+"""The readout kernel family: draft tokens drawn from their processed logits in one launch
+(`propose`), and a Markov head's greedy drafts without their logits (`markov_argmax`)."""
