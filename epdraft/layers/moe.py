@@ -65,7 +65,7 @@ class DraftMoE(nn.Module):
         self.router = Router(spec.router, hidden_size, device=device, kernels=kernels)
         self.experts = RoutedExperts(
             shard, spec.activation, bias=spec.expert_bias, dtype=dtype, device=device, kernels=kernels,
-            quantization=spec.quantization if kernels.quantized_experts else None,
+            quantization=spec.quantization.experts if kernels.quantized_experts and spec.quantization else None,
         )  # fmt: skip
         self.shared: DraftMLP | None = None
         if spec.shared_intermediate_size > 0:

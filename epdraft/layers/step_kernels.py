@@ -128,7 +128,7 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
         quantized_why = quantized_why or why["experts"]
         dequantized = None
         if (quantized := _quantized_layers(ffn)) and quantized_why is not None:
-            dequantized = (f"{quantized[0][1].quantization.method} checkpoint dequantized to "
+            dequantized = (f"{quantized[0][1].quantization.experts.method} checkpoint dequantized to "
                            f"{str(dtype).removeprefix('torch.')} at load ({quantized_why})")  # fmt: skip
         # on CUDA, an op on its torch path is worth a warning (a draft without MoE layers has no experts to run)
         shown = [f"{op}: {w}" for op, w in why.items() if w is not None and (op != "experts" or has_moe)]
@@ -190,7 +190,7 @@ def quantized_experts_reason(
     for i, layer in layers:
         if layer.activation.kind == "swigluoai":
             return "gpt-oss interleaves gate and up rows; quantized experts are held gate rows first"
-        q = layer.quantization
+        q = layer.quantization.experts
         why = fused.quantized_unsupported_reason(q.method, q.block, ffn.hidden_size, layer.intermediate_size,
                                                  device_type, dtype)  # fmt: skip
         if why is not None:

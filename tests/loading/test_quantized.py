@@ -221,7 +221,7 @@ def test_modules_to_not_convert_are_honoured(quantized):
         ({"quant_method": "fp8"}, "quantization_config.weight_block_size is missing"),
         ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size = [128]"),
         ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "activation_scheme"),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"}, "expert_dtype = 'fp4'"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "int4"}, "expert_dtype = 'int4'"),
         ({"quant_method": "mxfp4", "group_size": 16}, "unknown key(s) ['group_size']"),
         ({"quant_method": "mxfp4", "modules_to_not_convert": "router"}, "modules_to_not_convert = 'router'"),
     ],
