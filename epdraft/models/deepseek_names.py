@@ -67,6 +67,19 @@ class DeepseekExportSource:
     def get(self, name: str, index: Index = ()) -> torch.Tensor:
         return self._source.get(self._names[name], index)
 
+    @property
+    def dequantizes(self) -> bool:
+        """Whether the wrapped source reads quantized tensors dequantized (a `QuantizedSource`)."""
+        return getattr(self._source, "dequantizes", False)
+
+    def stored_names(self, name: str) -> tuple[str, str] | None:
+        """The stored (values, scales) names of own tensor `name` (a `QuantizedSource` underneath only)."""
+        return self._source.stored_names(self._names[name])
+
+    def get_stored(self, name: str, index: Index = ()) -> torch.Tensor:
+        """A stored tensor by its checkpoint name (as `stored_names` gives it)."""
+        return self._source.get_stored(name, index)
+
 
 def to_export_state_dict(model: torch.nn.Module, num_layers: int) -> dict[str, torch.Tensor]:
     """The draft's tensors under SpecForge's export names (every expert on this rank): the inverse of

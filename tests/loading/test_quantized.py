@@ -310,3 +310,21 @@ def test_quantized_tensors_without_a_quantization_config_are_refused(quantized):
         with pytest.raises(LoadError, match=re.escape(suffix) + ": a quantized tensor, but the config has no "
                                                                   "quantization_config"):
             load_ffn(module, quantized[fmt], LAYER)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("kernels", [None, HELD], ids=["dequantized", "held"])
+def test_load_weights_of_a_quantized_layer_takes_the_raw_tensors(fmt, kernels):
+    """A layer built from a quantized spec takes the checkpoint's tensors as a plain dict (as an engine hands them
+    over) and loads what it loads from the same tensors wrapped in a QuantizedSource."""
+    I = 64
+    tensors, *_ = _checkpoint(fmt, "per-expert", seed=4, I=I)
+    spec = msgspec.structs.replace(_moe_spec(I), quantization=SPECS[fmt])
+    raw, wrapped = _sharded(spec, kernels, ep_rank=1, ep_size=2), _sharded(spec, kernels, ep_rank=1, ep_size=2)
+    consumed = raw.load_weights(tensors)
+    raw.check_loaded()
+    load_ffn(wrapped, QuantizedSource(tensors, SPECS[fmt], torch.float32, transposed_stacked=False), LAYER)
+    assert consumed == {re.sub(r"_(blocks|scales|scale_inv)$", "", n) for n in tensors
+                        if not n.endswith(("_scales", "_scale_inv"))}
+    for (name, a), (_, b) in zip(raw.state_dict().items(), wrapped.state_dict().items()):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
