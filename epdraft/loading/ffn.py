@@ -23,7 +23,8 @@ from epdraft.loading.source import TensorSource, as_source
 
 Piece = tuple[str, int | None, str]
 
-_QUANTIZED_SUFFIXES = ("_blocks", "_scales", "_scale_inv", ".scale")
+_QUANTIZED_SUFFIXES = ("_blocks", "_scales", "_scale_inv")
+_SCALE = ".scale"
 
 _ALL = slice(None)
 
@@ -211,9 +212,12 @@ def load_into(module: nn.Module, tensors: Mapping[str, torch.Tensor] | TensorSou
         source = QuantizedSource(source, quantization, _compute_dtype(module),
                                  transposed_stacked=shard_ is not None and shard_.transposed_interleaved)
     if not getattr(source, "dequantizes", False):
-        for name in source.keys():
+        names = set(source.keys())
+        for name in names:
             relative = relative_name(name, layer_id)
-            if relative is not None and relative.endswith(_QUANTIZED_SUFFIXES):
+            # DeepSeek's `.scale` only beside its `.weight` (an mHC `attn_hc.scale` is a plain tensor)
+            deepseek_pair = name.endswith(_SCALE) and name.removesuffix(_SCALE) + ".weight" in names
+            if relative is not None and (relative.endswith(_QUANTIZED_SUFFIXES) or deepseek_pair):
                 # read as unquantized, a quantized export would load wrong values (or miss them all)
                 raise LoadError(f"{name}: a quantized tensor, but the config has no quantization_config "
                                 "(mxfp4 blocks/scales, fp8 weight_scale_inv or DeepSeek .scale need one)")
