@@ -128,7 +128,8 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
         quantized_why = quantized_why or why["experts"]
         dequantized = None
         if (quantized := _quantized_layers(ffn)) and quantized_why is not None:
-            dequantized = (f"{quantized[0][1].quantization.experts.method} checkpoint dequantized to "
+            q = quantized[0][1].quantization
+            dequantized = (f"{'fp4' if q.expert_dtype == 'fp4' else q.method} checkpoint dequantized to "
                            f"{str(dtype).removeprefix('torch.')} at load ({quantized_why})")  # fmt: skip
         # on CUDA, an op on its torch path is worth a warning (a draft without MoE layers has no experts to run)
         shown = [f"{op}: {w}" for op, w in why.items() if w is not None and (op != "experts" or has_moe)]
