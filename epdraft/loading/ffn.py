@@ -212,11 +212,12 @@ def load_into(module: nn.Module, tensors: Mapping[str, torch.Tensor] | TensorSou
         source = QuantizedSource(source, quantization, _compute_dtype(module),
                                  transposed_stacked=shard_ is not None and shard_.transposed_interleaved)
     if not getattr(source, "dequantizes", False):
-        names = set(source.keys())
+        names = list(source.keys())  # in the source's order: the first offending tensor is named, every run
+        known = set(names)
         for name in names:
             relative = relative_name(name, layer_id)
             # DeepSeek's `.scale` only beside its `.weight` (an mHC `attn_hc.scale` is a plain tensor)
-            deepseek_pair = name.endswith(_SCALE) and name.removesuffix(_SCALE) + ".weight" in names
+            deepseek_pair = name.endswith(_SCALE) and name.removesuffix(_SCALE) + ".weight" in known
             if relative is not None and (relative.endswith(_QUANTIZED_SUFFIXES) or deepseek_pair):
                 # read as unquantized, a quantized export would load wrong values (or miss them all)
                 raise LoadError(f"{name}: a quantized tensor, but the config has no quantization_config "

@@ -65,13 +65,14 @@ class QuantizedSource:
         self._transposed = transposed_stacked
         self._quantized: dict[str, tuple[str, str]] = {}  # logical name -> (values name, scales name)
         self._kind: dict[str, StoredKind] = {}
-        names = set(source.keys())
+        ordered = list(source.keys())
+        names = set(ordered)
         if spec.method == "mxfp4":
             self._pair_mxfp4(names)
         else:
             self._pair_fp8(names)
-        self._plain = [n for n in names if n not in self._quantized and
-                       not any(n in pair for pair in self._quantized.values())]
+        stored = {n for pair in self._quantized.values() for n in pair}
+        self._plain = [n for n in ordered if n not in self._quantized and n not in stored]
 
     def describe(self) -> str:
         """One line: how many tensors of each stored format, the format, the dtype they are read in."""
