@@ -201,12 +201,12 @@ def load_into(module: nn.Module, tensors: Mapping[str, torch.Tensor] | TensorSou
     shape, and on a known name the spec has no place for (e.g. `gate.bias` when the config declares
     no router bias): dropping it would silently change the routing the draft was trained with.
 
-    A module built from a quantized spec (`module.spec.quantization`) takes the checkpoint's raw
+    A module built from a quantized spec (`module.quantization`) takes the checkpoint's raw
     tensors as they are stored (an engine hands them over as a plain mapping): they are read through
     a `QuantizedSource` here. A source that dequantizes already (`dequantizes`) is read as it is.
     """
     source = as_source(tensors)
-    quantization = getattr(getattr(module, "spec", None), "quantization", None)
+    quantization = getattr(module, "quantization", None)
     if quantization is not None and not getattr(source, "dequantizes", False):
         shard_ = module.expert_shard
         source = QuantizedSource(source, quantization, _compute_dtype(module),

@@ -328,3 +328,22 @@ def test_load_weights_of_a_quantized_layer_takes_the_raw_tensors(fmt, kernels):
                         if not n.endswith(("_scales", "_scale_inv"))}
     for (name, a), (_, b) in zip(raw.state_dict().items(), wrapped.state_dict().items()):
         assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def test_load_weights_of_a_quantized_dense_mlp_takes_the_raw_tensors():
+    """A dense layer of a quantized checkpoint (DeepSeek-V3's first layers, fp8) takes its raw tensors too."""
+    from epdraft.layers import DraftMLP
+
+    gen = torch.Generator().manual_seed(6)
+    tensors, want = {}, {}
+    for part, shape in (("gate_proj", (40, H)), ("up_proj", (40, H)), ("down_proj", (H, 40))):
+        q, d = _quantize("fp8", f"{P}{part}.weight", torch.randn(*shape, generator=gen))
+        tensors |= q
+        want[part] = d
+    mlp = DraftMLP(H, 40, layer_id=LAYER, dtype=torch.float32, quantization=SPECS["fp8"])
+    assert mlp.load_weights(tensors) == {f"{P}{part}.weight" for part in want}
+    mlp.check_loaded()
+    for part, w in want.items():
+        assert torch.equal(getattr(mlp, part).weight, w), part
+    with pytest.raises(LoadError, match=re.escape(f"{P}gate_proj.weight_scale_inv: a quantized tensor")):
+        DraftMLP(H, 40, layer_id=LAYER, dtype=torch.float32).load_weights(tensors)
