@@ -238,10 +238,10 @@ def check_fp8_scale_dtype(scale_name: str, scale: torch.Tensor) -> None:
 
 
 def quantized_source(source: TensorSource, spec: DraftMixFFNSpec, dtype: torch.dtype) -> TensorSource:
-    """`source` dequantized per `spec.quantization` (one log line), or `source` itself if unquantized."""
+    """`source` dequantized per `spec.quantization`, or `source` itself if unquantized."""
     if spec.quantization is None:
         return source
     transposed = any(isinstance(s, DraftMoeFFNSpec) and s.activation.kind == "swigluoai" for s in spec.layers)
     quantized = QuantizedSource(source, spec.quantization, dtype, transposed_stacked=transposed)
-    log.info("%s", quantized.describe())
+    log.debug("%s", quantized.describe())  # the rank's one line is StepKernels' (what stays quantized, why)
     return quantized

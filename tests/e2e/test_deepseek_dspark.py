@@ -63,4 +63,7 @@ def test_deepseek_released_layout_bundled_in_a_target_checkpoint_is_lossless(var
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert summary is not None and summary["lossless"] is True, proc.stdout
     assert summary["requests"] == 3 and not summary["failed_requests"] and summary["generated_tokens"] == 3 * 16
-    assert "a target checkpoint bundling the draft" in proc.stdout + proc.stderr
+    output = proc.stdout + proc.stderr
+    assert "a target checkpoint bundling the draft" in output
+    logged = [line for line in output.splitlines() if "dequantized to float32 at load" in line]
+    assert len(logged) == 1 and "fp4 checkpoint dequantized" in logged[0] and "fp8 linears" in logged[0], logged
