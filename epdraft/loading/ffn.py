@@ -16,7 +16,7 @@ from torch import nn
 from epdraft.errors import LoadError
 from epdraft.loading.names import MLP_RULES, MOE_RULES, display_name, match, relative_name
 from epdraft.loading.quant import E8M0_DTYPES, e8m0_to_float
-from epdraft.loading.quantized import QuantizedSource, check_fp4_dtypes, check_fp8_scale_dtype
+from epdraft.loading.quantized import QuantizedSource, check_e8m0_scales, check_fp4_values, check_fp8_scale_dtype
 from epdraft.loading.shard import ExpertShard
 from epdraft.loading.source import TensorSource, as_source
 
@@ -154,10 +154,9 @@ def _copy_stored(
         t = source.get_stored(tensor_name, index)
         if method == "mxfp4":
             if tensor_name == values_name:
-                check_fp4_dtypes(values_name, t, scales_name, torch.empty(0, dtype=torch.uint8), kind)
+                check_fp4_values(values_name, t, kind)
                 return t.flatten(-2) if kind == "mxfp4" else t.view(torch.uint8)  # -> [.., N, K/2] bytes
-            check_fp4_dtypes(values_name, torch.empty(0, dtype=torch.uint8 if kind == "mxfp4" else torch.int8),
-                             scales_name, t, kind)
+            check_e8m0_scales(scales_name, t, kind)
             return t.view(torch.uint8)  # e8m0 exponents as the kernels read them
         if tensor_name == values_name:
             if t.dtype != values.dtype:
@@ -208,9 +207,9 @@ def load_into(module: nn.Module, tensors: Mapping[str, torch.Tensor] | TensorSou
     source = as_source(tensors)
     quantization = getattr(module, "quantization", None)
     if quantization is not None and not getattr(source, "dequantizes", False):
-        shard_ = module.expert_shard
+        experts = module.expert_shard
         source = QuantizedSource(source, quantization, _compute_dtype(module),
-                                 transposed_stacked=shard_ is not None and shard_.transposed_interleaved)
+                                 transposed_stacked=experts is not None and experts.transposed_interleaved)
     if not getattr(source, "dequantizes", False):
         names = list(source.keys())  # in the source's order: the first offending tensor is named, every run
         known = set(names)

@@ -97,16 +97,20 @@ class QuantizedSource:
         """`X` + `X_scale_inv` (transformers) or `P.weight` + `P.scale` (DeepSeek) -> logical `X` / `P.weight`;
         with `expert_dtype: fp4`, routed experts' `.weight` are packed fp4 and must have their `.scale`."""
         fp4 = self._spec.expert_dtype == "fp4"
+
+        def kind(logical: str) -> StoredKind:
+            return "fp4" if fp4 and _ROUTED_EXPERT.search(logical) else "fp8"
+
         for name in sorted(names):
             if name.endswith(_SCALE_INV):
                 logical = name.removesuffix(_SCALE_INV)
                 if logical not in names:
                     raise LoadError(f"{name}: fp8 scales without their weight {logical}")
-                self._add(logical, logical, name, "fp8")
+                self._add(logical, logical, name, kind(logical))
             elif name.endswith(_SCALE) and name.removesuffix(_SCALE) + _WEIGHT in names:
                 logical = name.removesuffix(_SCALE) + _WEIGHT
-                self._add(logical, logical, name, "fp4" if fp4 and _ROUTED_EXPERT.search(logical) else "fp8")
-            elif fp4 and _ROUTED_EXPERT.search(name) and name.removesuffix(_WEIGHT) + _SCALE not in names:
+                self._add(logical, logical, name, kind(logical))
+            elif kind(name) == "fp4" and not {name.removesuffix(_WEIGHT) + _SCALE, name + _SCALE_INV} & names:
                 raise LoadError(f"{name}: an fp4 routed expert weight (expert_dtype = 'fp4') without its scale "
                                 f"{name.removesuffix(_WEIGHT)}{_SCALE} (missing scale)")
 
@@ -199,7 +203,8 @@ class QuantizedSource:
         values_cols = slice(g0, g1) if kind == "mxfp4" else slice(g0 * per_group, g1 * per_group)
         values = self._source.get(values_name, (*lead, rows, values_cols))
         scales = self._source.get(scales_name, (*lead, rows, slice(g0, g1)))
-        check_fp4_dtypes(values_name, values, scales_name, scales, kind)
+        check_fp4_values(values_name, values, kind)
+        check_e8m0_scales(scales_name, scales, kind)
         if kind == "fp4":
             values, scales = fp4_as_mxfp4(values, scales)
         first = cols.start - g0 * MXFP4_GROUP
@@ -218,16 +223,17 @@ class QuantizedSource:
         return (weight.float() * expand_block_scales(scale32, self._spec.block, rows, cols)).to(self._dtype)
 
 
-def check_fp4_dtypes(values_name: str, values: torch.Tensor, scales_name: str, scales: torch.Tensor,
-                     kind: StoredKind) -> None:
-    """LoadError naming the tensor when mxfp4 blocks are not uint8, DeepSeek fp4 values not int8, or
-    scales not e8m0 (uint8 / float8_e8m0fnu)."""
+def check_fp4_values(name: str, values: torch.Tensor, kind: StoredKind) -> None:
+    """LoadError naming the tensor when mxfp4 blocks are not uint8 or DeepSeek fp4 values not int8."""
     want = torch.uint8 if kind == "mxfp4" else torch.int8
     if values.dtype != want:
-        raise LoadError(f"{values_name}: {kind} values stored as {values.dtype}, expected {want}")
+        raise LoadError(f"{name}: {kind} values stored as {values.dtype}, expected {want}")
+
+
+def check_e8m0_scales(name: str, scales: torch.Tensor, kind: StoredKind) -> None:
+    """LoadError naming the tensor when fp4 / mxfp4 scales are not e8m0 (uint8 or float8_e8m0fnu)."""
     if scales.dtype not in E8M0_DTYPES:
-        raise LoadError(f"{scales_name}: {kind} scales stored as {scales.dtype}, expected e8m0 "
-                        "(float8_e8m0fnu or uint8)")
+        raise LoadError(f"{name}: {kind} scales stored as {scales.dtype}, expected e8m0 (float8_e8m0fnu or uint8)")
 
 
 def check_fp8_scale_dtype(scale_name: str, scale: torch.Tensor) -> None:
