@@ -152,3 +152,16 @@ def test_target_checkpoint_without_the_draft_tensors_names_them(checkpoints, tmp
 
     with pytest.raises(LoadError, match=r"partial export, \d+ missing: .*layers\.2\."):
         load_draft(tmp_path)
+
+
+def test_preflight_checks_only_the_bundled_draft(checkpoints, counted):
+    """The launcher's header-only load and NaN check see the draft's `mtp.*` tensors, never the target-only shard."""
+    from epdraft.preflight import check_draft, check_finite
+
+    opened, reads = counted
+    spec, weight_map = check_draft(checkpoints["bundle"])
+    assert spec.kind == "dspark_v4" and spec.ffn.quantization.expert_dtype == "fp4"
+    assert weight_map and all(name.startswith("mtp.") for name in weight_map)
+    assert "model-00001-of-00003.safetensors" not in {p.name for p in weight_map.values()}
+    assert not opened and not reads  # headers only, read without safe_open
+    check_finite(weight_map)
