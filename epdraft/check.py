@@ -3,8 +3,8 @@
 Reads `DIR/config.json` (or the JSON file given), parses it exactly as the runtime does and prints,
 per layer (identical consecutive layers collapsed into a range): dense or MoE, experts x
 intermediate size, top-k, router (`hash` for a token-id-routed layer), shared expert, activation,
-the routed experts' bytes as stored (bf16, or the checkpoint's quantization: mxfp4 4.25 bits a
-weight, fp8 8 bits plus its scales) and the attention (full, or sliding with its window). A DFlash /
+the routed experts' bytes as stored (bf16, or the checkpoint's quantization: mxfp4 and DeepSeek's
+fp4 4.25 bits a weight, fp8 8 bits plus its scales) and the attention (full, or sliding with its window). A DFlash /
 DSpark draft's header adds its block size, readout, Markov head and confidence head; a quantized
 checkpoint its format and whether a CUDA bf16 run keeps the experts quantized.
 A config the runtime cannot run exits 2 with one line naming the key; a parallel config (TOML or
@@ -83,8 +83,10 @@ def format_plan(
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     num_moe = len(spec.moe_layers)
+    num_hash = sum(isinstance(layer, DraftMoeFFNSpec) and layer.router.hash_routed for layer in spec.layers)
+    hashed = f", {num_hash} hash-routed" if num_hash else ""
     header = (f"{source + ': ' if source else ''}family {spec.family}, hidden {spec.hidden_size}, "
-              f"{spec.num_layers} layers ({spec.num_layers - num_moe} dense, {num_moe} MoE)")
+              f"{spec.num_layers} layers ({spec.num_layers - num_moe} dense, {num_moe} MoE{hashed})")
     if draft is not None:
         header += "; " + _draft_summary(draft)
     weights = []
@@ -194,19 +196,23 @@ def _on_cuda(spec: DraftMixFFNSpec) -> str:
         return "on CUDA: no routed experts are quantized; quantized tensors are dequantized at load"
     reason = quantized_experts_reason(spec, tp_size=1, device_type="cuda", dtype=torch.bfloat16)
     if reason is None:
-        return f"on CUDA with bf16: routed experts stay {layers[0].quantization.method} for the fused kernels"
+        q = layers[0].quantization
+        held = "fp4 (as the fused kernels' mxfp4, no bf16 copy)" if q.expert_dtype == "fp4" else q.method
+        return f"on CUDA with bf16: routed experts stay {held} for the fused kernels"
     return f"on CUDA with bf16: dequantized at load ({reason})"
 
 
 def _stored_format(layer: DraftMoeFFNSpec) -> str:
-    return layer.quantization.method if layer.quantization is not None else "bf16"
+    if layer.quantization is None:
+        return "bf16"
+    return "fp4" if layer.quantization.expert_dtype == "fp4" else layer.quantization.method
 
 
 def _expert_bytes(layer: FFNSpec, hidden_size: int) -> int:
     """Stored bytes of one layer's routed experts (scales included for a quantized format)."""
     if not isinstance(layer, DraftMoeFFNSpec):
         return 0
-    bits = layer.quantization.bits_per_weight if layer.quantization is not None else _BF16_BITS
+    bits = layer.quantization.experts.bits_per_weight if layer.quantization is not None else _BF16_BITS
     return round(layer.expert_bytes(hidden_size, 1) * bits / 8)
 
 

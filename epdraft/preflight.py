@@ -41,7 +41,8 @@ from epdraft.loading.header import FLOAT_DTYPES
 # What a draft export may store: float weights and FP8 / MXFP4 quantized experts (F8 values, U8
 # blocks and e8m0 scales); integers only in a hash layer's token table. The loader checks each
 # tensor's place and shape; this refuses what no such tensor can be.
-DRAFT_DTYPES = (*FLOAT_DTYPES, "F8_E4M3", "F8_E5M2", "U8")
+DRAFT_DTYPES = (*FLOAT_DTYPES, "F8_E4M3", "F8_E5M2", "F8_E8M0", "U8", "I8")
+"""Float weights, FP8 values, e8m0 scales, MXFP4 blocks (U8) and DeepSeek's packed FP4 experts (I8)."""
 TOKEN_TABLE_DTYPES = ("I64", "I32")
 from epdraft.loading.quantized import quantized_source
 from epdraft.loading.source import HeaderSource, checkpoint_weight_map
@@ -148,7 +149,7 @@ def check_draft(path: str | Path) -> tuple[DraftModelSpec, dict[str, Path]]:
     """The draft's spec and weight map, after a meta-device load that checks every tensor's name and shape."""
     import torch
 
-    from epdraft.models.checkpoint import load_draft_weights
+    from epdraft.models.checkpoint import draft_weight_map, load_draft_weights
     from epdraft.models.protocol import DRAFT_FAMILIES
 
     directory = _local_dir(path, "--draft")
@@ -159,7 +160,7 @@ def check_draft(path: str | Path) -> tuple[DraftModelSpec, dict[str, Path]]:
     except ConfigError as e:
         raise ConfigError(f"{config_file}: {e}") from None
     spec = DraftModelSpec.from_config(config, source=str(config_file))
-    weight_map = checkpoint_weight_map(directory)
+    weight_map = draft_weight_map(directory, spec)  # a draft bundled in its target's checkpoint: its own tensors
     source = HeaderSource(weight_map)
     for name, t in source.tensors.items():
         allowed = TOKEN_TABLE_DTYPES if name.endswith(".tid2eid") else DRAFT_DTYPES
@@ -186,9 +187,9 @@ def check_finite(weight_map: dict[str, Path]) -> None:
 
     for file in sorted(set(weight_map.values())):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
+            for name in sorted(n for n, path in weight_map.items() if path == file):  # the draft's (not a target's)
                 tensor = f.get_tensor(name)
-                if not tensor.dtype.is_floating_point:  # token tables, MXFP4 blocks and e8m0 scales
+                if not tensor.dtype.is_floating_point:  # token tables, MXFP4 blocks, packed FP4, uint8 e8m0 scales
                     continue
                 if tensor.element_size() == 1:  # FP8: torch has no isfinite for it
                     tensor = tensor.float()

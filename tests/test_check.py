@@ -26,11 +26,14 @@ def run_check(capsys, path: Path) -> tuple[int, str, str]:
 def test_every_fixture_prints_its_plan(capsys, fixture):
     code, out, err = run_check(capsys, FIXTURES / fixture)
     assert code == 0, err
-    header, columns, *rows, total = out.strip().splitlines()
+    header, *lines, total = out.strip().splitlines()
+    quantized = lines[0].startswith("weights:")
+    columns, *rows = lines[2:] if quantized else lines  # a quantized one: its format, what CUDA holds
     assert "family" in header and "layers" in header
     assert columns.split()[:2] == ["layers", "kind"]
     assert rows and all(row.split()[1] in ("dense", "MoE") for row in rows)
-    assert total.startswith("routed expert weights (bf16):")
+    assert total.startswith("routed expert weights (fp4):" if fixture == "deepseek-v4-flash.json" else
+                            "routed expert weights (bf16):")
 
 
 def test_deepseek_v3_plan(capsys):
@@ -217,3 +220,30 @@ def test_deepseek_dspark_draft_shows_its_attention_window_and_mhc(capsys, tmp_pa
     out = capsys.readouterr().out
     assert "dspark_v4 block 5" in out and "markov vanilla r256" in out
     assert "deepseek v4: 64 q heads over 1 K=V head 512 (rope 64, sinks), window 128, o 8x1024; mHC x4" in out
+
+
+def test_deepseek_v4_flash_released_config_shows_fp4_experts_fp8_linears_and_hash_layers(capsys):
+    code, out, err = run_check(capsys, FIXTURES / "deepseek-v4-flash.json")
+    assert code == 0, err
+    for needle in ("43 layers (0 dense, 43 MoE, 3 hash-routed)",
+                   "weights: linears fp8 e4m3 (e8m0 scale per 128x128 block); routed experts fp4",
+                   "experts (fp4)", "routed experts stay fp4"):
+        assert needle in out, out
+    rows = [line.split() for line in out.splitlines() if line[:1].isdigit()]
+    assert [r[0] for r in rows] == ["0-2", "3-42"] and rows[0][6] == "hash" and rows[1][6] != "hash"
+    # 40 + 3 layers of 256 x 3 x 2048 x 4096 weights at 4 bits + one 8-bit scale per 32
+    assert f"({round(43 * 256 * 3 * 2048 * 4096 * 4.25 / 8)} bytes)" in out
+
+
+def test_deepseek_v41_dspark_draft_config_shows_its_32x32_fp8_blocks(capsys, tmp_path):
+    config = json.loads((Path(__file__).parent / "fixtures" / "deepseek_v4_flash_dspark_config.json").read_text())
+    config["dflash_config"].update(attention_mode="deepseek_v41", context_window=config.pop("sliding_window"))
+    config |= {"expert_dtype": "fp4", "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
+        "weight_block_size": [32, 32]}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, out, err = run_check(capsys, path)
+    assert code == 0, err
+    assert "linears fp8 e4m3 (e8m0 scale per 32x32 block); routed experts fp4" in out, out
+    assert "deepseek v41" in out and "experts (fp4)" in out

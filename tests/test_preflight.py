@@ -230,7 +230,7 @@ RUN_CASES = [
     ("draft-missing-expert", lambda p: _draft_tensors(p, lambda t: t.pop("layers.1.mlp.experts.3.down_proj.weight")),
      "partial export, 1 missing: layer 1: 1 tensor(s) missing: layers.1.mlp.experts.3.down_proj.weight"),
     ("draft-wrong-shape", lambda p: _draft_tensors(p, _wrong_shape), "fc.weight: expected shape [128, 256], found [128, 200]"),
-    ("draft-int-dtype", lambda p: _draft_tensors(p, _ints), "fc.weight: dtype I32, expected one of F64, F32, F16, BF16, F8_E4M3, F8_E5M2, U8"),
+    ("draft-int-dtype", lambda p: _draft_tensors(p, _ints), "fc.weight: dtype I32, expected one of F64, F32, F16, BF16, F8_E4M3, F8_E5M2, F8_E8M0, U8, I8"),
     ("draft-nan-weights", lambda p: _draft_tensors(p, _nan),
      "layers.1.mlp.experts.5.up_proj.weight: 1 of 12288 values are NaN or inf"),
     ("draft-truncated", _truncated_draft, "model.safetensors: truncated:"),

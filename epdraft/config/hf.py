@@ -145,7 +145,8 @@ def parse_ffn_config(config: dict) -> DraftMixFFNSpec:
     if "hash_moe" in kinds:
         by_kind["hash_moe"] = _hash_spec(view, moe)
     layers: tuple[FFNSpec, ...] = tuple(
-        by_kind[k] if k == "dense" else _quantized_experts(by_kind[k], quantization, i) for i, k in enumerate(kinds)
+        by_kind[k] if k == "dense" else _quantized_experts(by_kind[k], quantization, i, view, hidden_size)
+        for i, k in enumerate(kinds)
     )
     name = family.name
     if family is SPECFORGE and view.has("moe_preset"):
@@ -154,20 +155,32 @@ def parse_ffn_config(config: dict) -> DraftMixFFNSpec:
 
 
 def _quantization(view: _View) -> QuantSpec | None:
-    """The weights' quantization (`quantization_config`), None if unquantized; a top-level
-    `expert_dtype` other than bf16/fp32 (a SpecForge training key) has no stored format to read."""
-    if view.has("expert_dtype") and view.data["expert_dtype"] not in ("bf16", "bfloat16", "fp32", "float32"):
-        raise ConfigError(f"{view.path('expert_dtype')} = {view.data['expert_dtype']!r}: quantized expert "
-                          "weights need a quantization_config (mxfp4 or block-scaled fp8)")
+    """The weights' quantization (`quantization_config`, with DeepSeek-V4's top-level `expert_dtype`),
+    None if unquantized; an `expert_dtype` that names a quantized format needs a quantization_config."""
+    expert_dtype = view.data.get("expert_dtype")
+    if expert_dtype in ("bf16", "bfloat16", "fp32", "float32"):
+        expert_dtype = None
     if not view.has("quantization_config"):
+        if expert_dtype is not None:
+            raise ConfigError(f"{view.path('expert_dtype')} = {expert_dtype!r}: quantized expert weights need a "
+                              "quantization_config (fp8 with expert_dtype 'fp4', mxfp4, or block-scaled fp8)")
         return None
-    return parse_quantization_config(view.data["quantization_config"], view.path("quantization_config"))
+    return parse_quantization_config(view.data["quantization_config"], view.path("quantization_config"),
+                                     expert_dtype=expert_dtype, expert_dtype_key=view.path("expert_dtype"))
 
 
-def _quantized_experts(moe: DraftMoeFFNSpec, quantization: QuantSpec | None, layer: int) -> DraftMoeFFNSpec:
-    """The layer's spec with the storage of its routed experts (`model.layers.N.mlp.experts`)."""
+def _quantized_experts(moe: DraftMoeFFNSpec, quantization: QuantSpec | None, layer: int,
+                       view: _View, hidden_size: int) -> DraftMoeFFNSpec:
+    """The layer's spec with the checkpoint's quantization when its routed experts
+    (`model.layers.N.mlp.experts`) are stored quantized; FP4 experts need H and I in whole groups of 32."""
     if quantization is None or not quantization.converts(f"model.layers.{layer}.mlp.experts"):
         return moe
+    if quantization.expert_dtype == "fp4":
+        group = quantization.experts.block[1]
+        for key, size in (("hidden_size", hidden_size), ("moe_intermediate_size", moe.intermediate_size)):
+            if size % group:
+                raise ConfigError(f"{view.path(key)} = {size}: {view.path('expert_dtype')} = 'fp4' experts carry "
+                                  f"one e8m0 scale per {group} inputs, so it must be a multiple of {group}")
     return msgspec.structs.replace(moe, quantization=quantization)
 
 

@@ -26,7 +26,8 @@ def build_ffn(
     """DraftMLP for a dense layer, DraftMoE (placed by `dispatcher.layout`, default every expert) for a MoE layer,
     computing as `kernels` says (None: resolved for `device`, `dtype` and the spec).
 
-    Weights are uninitialised until `load_weights`; `check_loaded` says what is still missing.
+    Weights are uninitialised until `load_weights` (which takes the checkpoint's tensors as stored, quantized
+    per `spec.quantization` too); `check_loaded` says what is still missing.
     Raises ConfigError if `layer_id` is not a layer of `spec` or `hidden_size` disagrees with it.
     """
     if not 0 <= layer_id < spec.num_layers:
@@ -47,6 +48,7 @@ def build_ffn(
             dtype=dtype,
             device=device,
             kernels=kernels,
+            quantization=spec.quantization,
         )
     return DraftMoE(layer, hidden_size, layer_id=layer_id, dispatcher=dispatcher, dtype=dtype, device=device,
-                    kernels=kernels)  # fmt: skip
+                    kernels=kernels, quantization=spec.quantization)  # fmt: skip

@@ -9,6 +9,7 @@ from torch import nn
 
 from epdraft.dispatch.plan import StepPlan
 from epdraft.config.ffn import ActivationSpec
+from epdraft.config.quant import QuantSpec
 from epdraft.kernels.step.ops import ffn_residual
 from epdraft.layers.projection import gate_up, project
 from epdraft.layers.step_kernels import StepKernels
@@ -29,6 +30,8 @@ class DraftMLP(nn.Module):
     `down_proj.weight [H, I]`, with `.bias` when `bias`, and `output_gate.weight [1, H]` when
     `output_gate`. The activation runs in fp32 (SpecForge reference), so does the sigmoid gate.
     `kernels`: the rank's resolved compute (None: resolved for `device` and `dtype`).
+    `quantization`: how the checkpoint stores the weights (its `quantization_config`): raw stored
+    tensors handed to `load_weights` are read dequantized through it.
     """
 
     expert_shard = None  # the loader's view: a dense MLP holds no routed experts
@@ -45,9 +48,11 @@ class DraftMLP(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         kernels: StepKernels | None = None,
+        quantization: QuantSpec | None = None,
     ) -> None:
         super().__init__()
         kw = {"dtype": dtype, "device": device}
+        self.quantization = quantization
         self.kernels = kernels if kernels is not None else StepKernels.for_device(device, dtype)
         self.activation = activation
         self.layer_id = layer_id

@@ -9,6 +9,7 @@ from torch import nn
 
 from epdraft.config.ffn import DraftMoeFFNSpec
 from epdraft.config.hf import DraftMixFFNSpec
+from epdraft.config.quant import QuantSpec
 from epdraft.dispatch import Dispatcher, MoeLayout, ReplicatedDispatcher, StepPlan
 from epdraft.kernels.step.ops import ffn_residual
 from epdraft.layers.mlp import DraftMLP, gate_output
@@ -27,6 +28,8 @@ class DraftMoE(nn.Module):
     this rank's own tokens, outside the collectives. `kernels`: the rank's resolved compute (None:
     resolved for `device`, `dtype` and this layer); its `quantized_experts` keeps a quantized
     checkpoint's experts quantized for the fused kernels, else they are dequantized at load.
+    `quantization`: how the checkpoint stores the layer's tensors (default: the spec's, set when its
+    routed experts are quantized): raw stored tensors handed to `load_weights` are read through it.
     """
 
     def __init__(
@@ -39,9 +42,11 @@ class DraftMoE(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         kernels: StepKernels | None = None,
+        quantization: QuantSpec | None = None,
     ) -> None:
         super().__init__()
         self.spec = spec
+        self.quantization = quantization if quantization is not None else spec.quantization
         self.layer_id = layer_id
         if dispatcher is None:
             dispatcher = ReplicatedDispatcher(MoeLayout.local(spec.num_experts, hidden_size, spec.top_k))
@@ -65,7 +70,7 @@ class DraftMoE(nn.Module):
         self.router = Router(spec.router, hidden_size, device=device, kernels=kernels)
         self.experts = RoutedExperts(
             shard, spec.activation, bias=spec.expert_bias, dtype=dtype, device=device, kernels=kernels,
-            quantization=spec.quantization if kernels.quantized_experts else None,
+            quantization=spec.quantization.experts if kernels.quantized_experts and spec.quantization else None,
         )  # fmt: skip
         self.shared: DraftMLP | None = None
         if spec.shared_intermediate_size > 0:

@@ -70,7 +70,7 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
     """One rank's resolved compute: which implementation runs each op of the draft step (module
     docstring). `reasons`: for each op on CUDA that runs its torch path, the family's own words for
     why (empty when every kernel runs, and on CPU); `dequantized`: why a quantized checkpoint's
-    experts are dequantized at load (None when none is)."""
+    experts are dequantized at load, and that DeepSeek's fp8 linears are (None when nothing is)."""
 
     step_ops: Literal["triton", "torch"] = "torch"
     projections: Literal["skinny", "torch"] = "torch"
@@ -123,10 +123,14 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
         tp_size = layout.tp_size if layout is not None else 1
         quantized_why = quantized_experts_reason(ffn, tp_size=tp_size, device_type=device_type, dtype=dtype)
         quantized_why = quantized_why or why["experts"]
-        dequantized = None
+        loaded: list[str] = []
+        in_dtype = f"dequantized to {str(dtype).removeprefix('torch.')} at load"
         if (quantized := _quantized_layers(ffn)) and quantized_why is not None:
-            dequantized = (f"{quantized[0][1].quantization.method} checkpoint dequantized to "
-                           f"{str(dtype).removeprefix('torch.')} at load ({quantized_why})")  # fmt: skip
+            q = quantized[0][1].quantization
+            loaded.append(f"{'fp4' if q.expert_dtype == 'fp4' else q.method} checkpoint {in_dtype} ({quantized_why})")
+        if ffn is not None and ffn.quantization is not None and ffn.quantization.expert_dtype == "fp4":
+            loaded.append(f"fp8 linears {in_dtype}")  # DeepSeek's: always (the fp4 experts may stay quantized)
+        dequantized = "; ".join(loaded) or None
         # on CUDA, an op on its torch path is worth a warning (a draft without MoE layers has no experts to run)
         shown = [f"{op}: {w}" for op, w in why.items() if w is not None and (op != "experts" or has_moe)]
         kernels = cls(
@@ -184,7 +188,7 @@ def quantized_experts_reason(
     for i, layer in layers:
         if layer.activation.kind == "swigluoai":
             return "gpt-oss interleaves gate and up rows; quantized experts are held gate rows first"
-        q = layer.quantization
+        q = layer.quantization.experts
         why = fused.quantized_unsupported_reason(q.method, q.block, ffn.hidden_size, layer.intermediate_size,
                                                  device_type, dtype)  # fmt: skip
         if why is not None:

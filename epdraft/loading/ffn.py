@@ -15,8 +15,8 @@ from torch import nn
 
 from epdraft.errors import LoadError
 from epdraft.loading.names import MLP_RULES, MOE_RULES, display_name, match, relative_name
-from epdraft.loading.quant import e8m0_to_float
-from epdraft.loading.quantized import QuantizedSource
+from epdraft.loading.quant import E8M0_DTYPES, e8m0_to_float
+from epdraft.loading.quantized import QuantizedSource, check_e8m0_scales, check_fp4_values, check_fp8_scale_dtype
 from epdraft.loading.shard import ExpertShard
 from epdraft.loading.source import TensorSource, as_source
 
@@ -24,6 +24,7 @@ from epdraft.loading.source import TensorSource, as_source
 Piece = tuple[str, int | None, str]
 
 _QUANTIZED_SUFFIXES = ("_blocks", "_scales", "_scale_inv")
+_SCALE = ".scale"
 
 _ALL = slice(None)
 
@@ -135,7 +136,7 @@ def _copy_stored(
     Quantized experts are held whole (moe_tp = 1) in gate-rows-first order; FP8 scale rows are
     per 128 rows, so gate and up (I % 128 == 0, checked at build) fill whole scale rows.
     """
-    stored = source.stored_names(name) if isinstance(source, QuantizedSource) else None
+    stored = source.stored_names(name) if getattr(source, "dequantizes", False) else None
     if stored is None:
         raise LoadError(f"{name}: the layer's experts are {method} (quantization_config) but this tensor is "
                         "stored unquantized")
@@ -146,17 +147,23 @@ def _copy_stored(
     rows = slice(s.first, s.first + s.count)
     I = s.intermediate_size
 
+    # gpt-oss's blocks [.., N, K/32, 16] uint8 or DeepSeek's fp4 [.., N, K/2] int8: the same bytes, low nibble first
+    kind = "mxfp4" if values_name.endswith("_blocks") else "fp4"
+
     def read(tensor_name: str, index: tuple) -> torch.Tensor:
         t = source.get_stored(tensor_name, index)
+        if method == "mxfp4":
+            if tensor_name == values_name:
+                check_fp4_values(values_name, t, kind)
+                return t.flatten(-2) if kind == "mxfp4" else t.view(torch.uint8)  # -> [.., N, K/2] bytes
+            check_e8m0_scales(scales_name, t, kind)
+            return t.view(torch.uint8)  # e8m0 exponents as the kernels read them
         if tensor_name == values_name:
             if t.dtype != values.dtype:
                 raise LoadError(f"{tensor_name}: {method} values stored as {t.dtype}, expected {values.dtype}")
-            return t.flatten(-2) if method == "mxfp4" else t  # [.., N, K/32, 16] blocks -> [.., N, K/2] bytes
-        if method == "mxfp4":
-            if t.dtype != torch.uint8:
-                raise LoadError(f"{tensor_name}: mxfp4 scales stored as {t.dtype}, expected uint8 (e8m0)")
             return t
-        return e8m0_to_float(t) if t.dtype == torch.uint8 else t.float()  # fp32 scales for the kernels
+        check_fp8_scale_dtype(tensor_name, t)
+        return e8m0_to_float(t) if t.dtype in E8M0_DTYPES else t.float()  # fp32 scales for the kernels
 
     half = 0 if part in ("gate", "down") else I
     if form == "expert":
@@ -192,9 +199,28 @@ def load_into(module: nn.Module, tensors: Mapping[str, torch.Tensor] | TensorSou
     ignored. Raises LoadError on a shape mismatch, naming the tensor, the expected and the found
     shape, and on a known name the spec has no place for (e.g. `gate.bias` when the config declares
     no router bias): dropping it would silently change the routing the draft was trained with.
+
+    A module built from a quantized spec (`module.quantization`) takes the checkpoint's raw
+    tensors as they are stored (an engine hands them over as a plain mapping): they are read through
+    a `QuantizedSource` here. A source that dequantizes already (`dequantizes`) is read as it is.
     """
     source = as_source(tensors)
-    refuse_quantized = not isinstance(source, QuantizedSource)
+    quantization = getattr(module, "quantization", None)
+    if quantization is not None and not getattr(source, "dequantizes", False):
+        experts = module.expert_shard
+        source = QuantizedSource(source, quantization, _compute_dtype(module),
+                                 transposed_stacked=experts is not None and experts.transposed_interleaved)
+    if not getattr(source, "dequantizes", False):
+        names = list(source.keys())  # in the source's order: the first offending tensor is named, every run
+        known = set(names)
+        for name in names:
+            relative = relative_name(name, layer_id)
+            # DeepSeek's `.scale` only beside its `.weight` (an mHC `attn_hc.scale` is a plain tensor)
+            deepseek_pair = name.endswith(_SCALE) and name.removesuffix(_SCALE) + ".weight" in known
+            if relative is not None and (relative.endswith(_QUANTIZED_SUFFIXES) or deepseek_pair):
+                # read as unquantized, a quantized export would load wrong values (or miss them all)
+                raise LoadError(f"{name}: a quantized tensor, but the config has no quantization_config "
+                                "(mxfp4 blocks/scales, fp8 weight_scale_inv or DeepSeek .scale need one)")
     params = dict(module.named_parameters())
     shard: ExpertShard | None = module.expert_shard
     rules = MLP_RULES if shard is None else MOE_RULES
@@ -203,10 +229,6 @@ def load_into(module: nn.Module, tensors: Mapping[str, torch.Tensor] | TensorSou
     with torch.no_grad():
         for name in source.keys():
             relative = relative_name(name, layer_id)
-            if refuse_quantized and relative is not None and relative.endswith(_QUANTIZED_SUFFIXES):
-                # read as unquantized, a quantized export would load wrong values (or miss them all)
-                raise LoadError(f"{name}: a quantized tensor, but the config has no quantization_config "
-                                "(mxfp4 blocks/scales or fp8 weight_scale_inv need one)")
             hit = match(relative, rules) if relative is not None else None
             if hit is None:
                 continue
@@ -239,6 +261,15 @@ def load_into(module: nn.Module, tensors: Mapping[str, torch.Tensor] | TensorSou
             "for it (router bias: topk_method = 'noaux_tc' or moe_router_bias = true; expert biases: gpt-oss)"
         )
     return consumed
+
+
+def _compute_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype dequantized tensors are read in: the module's first floating weight wider than one
+    byte outside the (always fp32) router, i.e. the dtype it was built in."""
+    for name, p in module.named_parameters():
+        if p.dtype.is_floating_point and p.element_size() > 1 and not name.startswith("router."):
+            return p.dtype
+    return torch.get_default_dtype()
 
 
 def _required(module: nn.Module) -> list[Piece]:

@@ -21,14 +21,15 @@ from epdraft.errors import LoadError
 # A header is a few KB per thousand tensors; a bigger length is a corrupt or foreign file.
 _MAX_HEADER_BYTES = 100 << 20
 DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
 }  # fmt: skip
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 # safetensors dtype names -> the torch dtypes a header-only load hands out (as meta tensors).
 TORCH_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8, "I8": torch.int8,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "U8": torch.uint8, "I8": torch.int8,
     "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
 }  # fmt: skip
 

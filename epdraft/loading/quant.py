@@ -3,10 +3,12 @@ against, also of the kernels' `ExpertWeights`) and the quantizers that make test
 
 Formats (see `epdraft.config.quant`): MXFP4 packs two e2m1 values per byte, element 2j in the low
 nibble and 2j+1 in the high one, 16 bytes per group of 32 that share one e8m0 exponent s
-(value = e2m1 * 2**(s - 127); s = 255 is NaN). FP8 holds e4m3 values with one fp32 scale per
-(bn x bk) block, the last row/column blocks possibly partial (value = fp8 * scale). Both are
-dequantized by exact fp32 arithmetic rounded once to the output dtype, which is what transformers'
-dequantizers compute too (tests/test_quant.py holds them bit for bit).
+(value = e2m1 * 2**(s - 127); s = 255 is NaN). DeepSeek-V4's FP4 experts are the same bytes and
+exponents stored as int8 `[N, K/2]` and float8_e8m0fnu `[N, K/32]` (`fp4_as_mxfp4` reinterprets
+them, no copy). FP8 holds e4m3 values with one fp32 or e8m0 scale per (bn x bk) block, the last
+row/column blocks possibly partial (value = fp8 * scale). All are dequantized by exact fp32
+arithmetic rounded once to the output dtype, which is what transformers' dequantizers compute too
+(tests/loading/test_quant.py holds them bit for bit).
 """
 
 from __future__ import annotations
@@ -24,9 +26,14 @@ E2M1_MAX = 6.0
 FP8_E4M3_MAX = 448.0
 
 
+E8M0_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
+"""How e8m0 exponents are stored: raw bytes (transformers' mxfp4) or torch's own dtype (DeepSeek's `.scale`)."""
+
+
 def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
-    """fp32 2**(s - 127) of uint8 e8m0 exponents, built from the bits (no pow: exact for every s)."""
-    s = scales.to(torch.int32)
+    """fp32 2**(s - 127) of e8m0 exponents (uint8 or float8_e8m0fnu), built from the bits (no pow:
+    exact for every s)."""
+    s = scales.view(torch.uint8).to(torch.int32)
     # s >= 1: a normal fp32 with biased exponent s; s = 0: the subnormal 2**-127 (bit 22).
     bits = torch.where(s > 0, s << 23, torch.full_like(s, 1 << 22))
     bits = torch.where(s == 255, torch.full_like(s, 0x7FC00000), bits)
@@ -40,6 +47,17 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     values = torch.stack((lut[codes & 0xF], lut[codes >> 4]), dim=-1).flatten(-2)  # [..., N, G, 32]
     values = values * e8m0_to_float(scales).unsqueeze(-1)  # a power of two: exact in fp32
     return values.flatten(-2).to(dtype)
+
+
+def fp4_as_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's FP4 (int8 `[..., N, K/2]`, e8m0 `[..., N, K/32]`) as MXFP4 blocks `[..., N, K/32, 16]`
+    uint8 and scales uint8: the same bytes reinterpreted (views, no copy; K/2 must be whole groups of 16)."""
+    return packed.view(torch.uint8).unflatten(-1, (-1, MXFP4_GROUP // 2)), scale.view(torch.uint8)
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., N, K/2] int8 of packed e2m1 (low nibble first) and [..., N, K/32] e8m0 -> [..., N, K] in `dtype`."""
+    return dequantize_mxfp4(*fp4_as_mxfp4(packed, scale), dtype)
 
 
 def expand_block_scales(scale: torch.Tensor, block: tuple[int, int], rows: slice, cols: slice) -> torch.Tensor:
@@ -58,9 +76,9 @@ def dequantize_fp8(
 ) -> torch.Tensor:
     """[..., N, K] float8_e4m3fn weight times its [..., ceil(N/bn), ceil(K/bk)] block scales, in `dtype`.
 
-    fp32 scales are used as stored; uint8 ones are e8m0 exponents (`scale_fmt: ue8m0`).
+    fp32 scales are used as stored; uint8 / float8_e8m0fnu ones are e8m0 exponents (`scale_fmt: ue8m0`).
     """
-    scale32 = e8m0_to_float(scale) if scale.dtype == torch.uint8 else scale.float()
+    scale32 = e8m0_to_float(scale) if scale.dtype in E8M0_DTYPES else scale.float()
     N, K = weight.shape[-2:]
     full = expand_block_scales(scale32, block, slice(0, N), slice(0, K))
     return (weight.float() * full).to(dtype)
@@ -85,10 +103,21 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, (exponent + 127).to(torch.uint8)
 
 
-def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., N, K] float -> (float8_e4m3fn weight, fp32 `weight_scale_inv` [..., ceil(N/bn), ceil(K/bk)]).
+def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] float (K % 32 == 0) -> DeepSeek's FP4: (int8 [..., N, K/2], float8_e8m0fnu [..., N, K/32]),
+    `quantize_mxfp4`'s codes and exponents in DeepSeek's storage."""
+    blocks, scales = quantize_mxfp4(weight)
+    return blocks.flatten(-2).view(torch.int8), scales.view(torch.float8_e8m0fnu)
 
-    One scale per block maps its largest magnitude to e4m3's 448 (DeepSeek-V3's recipe).
+
+def quantize_fp8(
+    weight: torch.Tensor, block: tuple[int, int], *, ue8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] float -> (float8_e4m3fn weight, scales [..., ceil(N/bn), ceil(K/bk)]).
+
+    One scale per block maps its largest magnitude to e4m3's 448 (DeepSeek-V3's recipe): fp32
+    (`weight_scale_inv`), or with `ue8m0` rounded up to a power of two and stored float8_e8m0fnu
+    (DeepSeek-V4's `.scale`, `scale_fmt: ue8m0`).
     """
     bn, bk = block
     *lead, N, K = weight.shape
@@ -98,8 +127,11 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Te
     tiles = padded.reshape(*lead, nb, bn, kb, bk)
     amax = tiles.abs().amax(dim=(-3, -1))
     scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    if ue8m0:  # the next power of two up keeps every value within e4m3's range
+        scale = torch.exp2(torch.ceil(torch.log2(scale)).clamp(-127, 127))
     full = expand_block_scales(scale, block, slice(0, N), slice(0, K))
-    return (weight.float() / full).to(torch.float8_e4m3fn), scale
+    values = (weight.float() / full).to(torch.float8_e4m3fn)
+    return values, (scale.to(torch.float8_e8m0fnu) if ue8m0 else scale)
 
 
 def dequantize_weights(w: ExpertWeights, dtype: torch.dtype) -> torch.Tensor:

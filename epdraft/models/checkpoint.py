@@ -5,7 +5,9 @@ Names follow SpecForge: `fc.weight`, `hidden_norm.weight`, `norm.weight`, `layer
 accepts), `markov_head.*`, `confidence_head.*`; an optional `model.` prefix. The draft borrows the
 target's embedding and lm_head, so `embed_tokens.`, `lm_head.`, `rotary_emb.` are skipped as
 SGLang's loader does. Any missing tensor fails the whole load with one LoadError listing them all.
-A DeepSeek-V4 DSpark export (`mtp.{i}.*`) is read through `deepseek_names.DeepseekExportSource`.
+A DeepSeek-V4 DSpark export (`mtp.{i}.*`) is read through `deepseek_names.DeepseekExportSource`, from a
+draft-only export or out of the target's checkpoint that bundles it (`draft_weight_map`: the index
+names the shards; only those holding `mtp.*` are opened, and an EP rank reads only its experts' bytes).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from epdraft.dispatch import Dispatcher
 from epdraft.errors import ConfigError, LoadError
 from epdraft.layers.routed_experts import RoutedExperts
 from epdraft.layers.step_kernels import StepKernels
-from epdraft.loading import TensorSource, open_checkpoint, quantized_source
-from epdraft.models.deepseek_names import DeepseekExportSource
+from epdraft.loading import SafetensorsSource, TensorSource, checkpoint_weight_map, quantized_source
+from epdraft.models.deepseek_names import DeepseekExportSource, bundled_draft_tensors
 from epdraft.models.dflash import DFlashDraft
 from epdraft.models.protocol import DRAFT_FAMILIES, DraftModel
 from epdraft.models.spec import DraftModelSpec
@@ -36,6 +38,21 @@ _FFN_NAME = re.compile(r"layers\.\d+\.(?:mlp|block_sparse_moe|ffn)\.")
 def read_draft_spec(path: str | Path) -> DraftModelSpec:
     """The DraftModelSpec of a draft export directory (its config.json); ConfigError naming the file."""
     return DraftModelSpec.from_config(read_config_json(path), source=str(Path(path) / "config.json"))
+
+
+def draft_weight_map(path: str | Path, spec: DraftModelSpec) -> dict[str, Path]:
+    """The draft's tensor name -> file of the checkpoint at `path` (see `checkpoint_weight_map`): for a
+    dspark_v4 draft bundled in its DeepSeek target's checkpoint, its `mtp.*` tensors only."""
+    weight_map = checkpoint_weight_map(path)
+    if spec.kind != "dspark_v4":
+        return weight_map
+    draft = bundled_draft_tensors(weight_map)
+    if len(draft) < len(weight_map):
+        files = set(weight_map.values())
+        log.info("%s: a target checkpoint bundling the draft: %d mtp.* tensor(s) in %d of its %d file(s), the "
+                 "target's %d tensor(s) not read", path, len(draft), len(set(draft.values())), len(files),
+                 len(weight_map) - len(draft))
+    return draft
 
 
 def load_draft(
@@ -61,7 +78,8 @@ def load_draft(
     spec = spec if spec is not None else read_draft_spec(path)
     model = DRAFT_FAMILIES[spec.kind](spec, dtype=dtype, device=device, dispatcher=dispatcher, kernels=kernels)
     # a quantized export (quantization_config) is dequantized to `dtype` as it is read
-    load_draft_weights(model, quantized_source(open_checkpoint(path), spec.ffn, dtype), origin=str(path))
+    with SafetensorsSource(draft_weight_map(path, spec)) as source:
+        load_draft_weights(model, quantized_source(source, spec.ffn, dtype), origin=str(path))
     for name, module in model.named_modules():
         if isinstance(module, RoutedExperts):
             module.pack_for_kernels(name)

@@ -8,12 +8,19 @@ stage 0 adds `main_proj.weight`, `main_norm.weight`; the last stage `norm.weight
 the loader reports an export's as unused). The heads are `markov_head.*`, `confidence_head.proj.weight` at the root
 (SpecForge also accepts the official `mtp.{last}.markov_head.*` / `confidence_head.*`: so do we).
 FFN tensors become `layers.{i}.mlp.*`, which the FFN loader reads in DeepSeek's naming.
+
+DeepSeek releases the draft inside the target's checkpoint: `mtp.{i}.*` beside the target's own
+`layers.{j}.*`, `embed.weight`, `head.weight`, ... (FP8 linears with `.scale`, FP4 routed experts:
+`epdraft.loading.quantized`). `bundled_draft_tensors` keeps the draft's names of such a checkpoint,
+so that none of the target's tensors is mistaken for the draft's and no shard holding only the
+target's is ever opened.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import torch
 
@@ -24,6 +31,16 @@ from epdraft.models.deepseek_attention import DEEPSEEK_ATTENTION_NAMES
 _STAGE = re.compile(r"mtp\.(\d+)\.(.+)")
 _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)")
 _ROOT_HEADS = ("markov_head.", "confidence_head.")
+_TARGET_LAYER = "layers."
+"""The target's own decoder layers in DeepSeek's checkpoint naming: a draft export has none (its stages are `mtp.*`)."""
+
+
+def bundled_draft_tensors(weight_map: Mapping[str, Path]) -> dict[str, Path]:
+    """The draft's part of a checkpoint: only `mtp.*` when the target's own layers (`layers.*`) are there too
+    (the draft bundled in its target's checkpoint); a draft-only export as it is."""
+    if not any(name.startswith(_TARGET_LAYER) for name in weight_map):
+        return dict(weight_map)
+    return {name: file for name, file in weight_map.items() if name.startswith("mtp.")}
 
 
 def own_name(export_name: str, num_layers: int) -> str:
@@ -66,6 +83,19 @@ class DeepseekExportSource:
 
     def get(self, name: str, index: Index = ()) -> torch.Tensor:
         return self._source.get(self._names[name], index)
+
+    @property
+    def dequantizes(self) -> bool:
+        """Whether the wrapped source reads quantized tensors dequantized (a `QuantizedSource`)."""
+        return getattr(self._source, "dequantizes", False)
+
+    def stored_names(self, name: str) -> tuple[str, str] | None:
+        """The stored (values, scales) names of own tensor `name` (a `QuantizedSource` underneath only)."""
+        return self._source.stored_names(self._names[name])
+
+    def get_stored(self, name: str, index: Index = ()) -> torch.Tensor:
+        """A stored tensor by its checkpoint name (as `stored_names` gives it)."""
+        return self._source.get_stored(name, index)
 
 
 def to_export_state_dict(model: torch.nn.Module, num_layers: int) -> dict[str, torch.Tensor]:

@@ -81,8 +81,9 @@ def test_fixture_parses_to_expected_layers(name):
     assert spec.family == family
     assert spec.num_layers == num_layers
     assert spec.moe_layers == tuple(i for i in range(num_layers) if i not in dense)
-    moe = spec.layers[spec.moe_layers[0]]
-    assert all(spec.layers[i] == moe for i in spec.moe_layers)
+    topk = [i for i in spec.moe_layers if not spec.layers[i].router.hash_routed]  # hash layers: test_hash_layers_parsed
+    moe = spec.layers[topk[0]]
+    assert all(spec.layers[i] == moe for i in topk)
     assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (E, k, I)
     r = moe.router
     assert (r.scoring, r.norm_topk_prob, r.renorm_eps, r.routed_scaling_factor) == (scoring, renorm, eps, rsf)
@@ -300,7 +301,7 @@ def test_matches_transformers_config_classes(name):
     elif hasattr(hf, "first_k_dense_replace"):
         moe = [i >= hf.first_k_dense_replace for i in range(n)]
     elif hasattr(hf, "mlp_layer_types"):
-        moe = [t == "moe" for t in hf.mlp_layer_types]
+        moe = [t in ("moe", "hash_moe") for t in hf.mlp_layer_types]
     else:
         moe = [True] * n
     spec = parse(config)
@@ -333,3 +334,51 @@ def test_quantization_reaches_the_layers_whose_experts_are_converted():
     assert spec.layers[3].quantization is None  # listed: its experts are stored unquantized
     assert all(spec.layers[i].quantization == fp8 for i in spec.moe_layers if i != 3)
     assert not hasattr(spec.layers[0], "quantization")  # dense layers carry no expert storage
+
+
+def test_deepseek_v4_flash_released_quantization():
+    """The released config: fp8 linears with e8m0 scales per 128 x 128, fp4 experts held as mxfp4, 3 hash layers."""
+    from epdraft.config.quant import QuantSpec
+
+    spec = parse(load("deepseek-v4-flash"))
+    assert spec.quantization == QuantSpec(method="fp8", block=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4")
+    assert spec.quantization.experts == QuantSpec(method="mxfp4", block=(1, 32))
+    assert spec.quantization.experts.bits_per_weight == 4.25 and spec.quantization.bits_per_weight == 8 + 8 / 128**2
+    assert _kinds(spec) == ["hash_moe"] * 3 + ["moe"] * 40
+    assert all(layer.quantization == spec.quantization for layer in spec.layers)
+    v41 = load("deepseek-v4-flash") | {"quantization_config": {**load("deepseek-v4-flash")["quantization_config"],
+                                                               "weight_block_size": [32, 32]}}
+    assert parse(v41).quantization.block == (32, 32)
+    # transformers' own key inside quantization_config agrees with the top-level one
+    inner = load("deepseek-v4-flash")
+    inner["quantization_config"]["expert_dtype"] = "fp4"
+    assert parse(inner).quantization.expert_dtype == "fp4"
+
+
+@pytest.mark.parametrize(
+    "change, needles",
+    [
+        ({"fmt": "e5m2"}, ("quantization_config.fmt = 'e5m2'",)),
+        ({"scale_fmt": "e4m3"}, ("quantization_config.scale_fmt = 'e4m3'",)),
+        ({"activation_scheme": "static"}, ("quantization_config.activation_scheme = 'static'",)),
+        ({"weight_block_size": [128]}, ("quantization_config.weight_block_size = [128]",)),
+        ({"weight_block_size": [0, 128]}, ("quantization_config.weight_block_size = [0, 128]",)),
+        ({"expert_dtype": "fp8"}, ("expert_dtype = 'fp4' contradicts quantization_config.expert_dtype = 'fp8'",)),
+        ({"quant_method": "mxfp4"}, ("expert_dtype = 'fp4' with quantization_config.quant_method = 'mxfp4'",)),
+    ],
+)
+def test_deepseek_v4_released_quantization_refusals_name_the_key(change, needles):
+    config = load("deepseek-v4-flash")
+    config["quantization_config"] = {**config["quantization_config"], **change}
+    if change.get("quant_method") == "mxfp4":
+        config["quantization_config"] = {"quant_method": "mxfp4"}
+    refused(config, *needles)
+
+
+def test_deepseek_v4_fp4_experts_need_whole_scale_groups():
+    refused(load("deepseek-v4-flash") | {"expert_dtype": "int4"}, "expert_dtype = 'int4'")
+    refused(load("deepseek-v4-flash") | {"moe_intermediate_size": 2040}, "moe_intermediate_size = 2040",
+            "multiple of 32")
+    refused(load("deepseek-v4-flash") | {"hidden_size": 4100}, "hidden_size = 4100", "multiple of 32")
+    no_quant = {k: v for k, v in load("deepseek-v4-flash").items() if k != "quantization_config"}
+    refused(no_quant, "expert_dtype = 'fp4'", "need a quantization_config")

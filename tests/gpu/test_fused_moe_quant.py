@@ -256,3 +256,45 @@ def test_fp8_experts_holding_a_nan_are_refused_naming_the_module():
     experts.w2.data.view(torch.uint8)[1, 5, 7] = 0xFF
     with pytest.raises(LoadError, match=r"layers\.1\.mlp\.experts\.w2 \(down\): 1 of 32768 FP8 e4m3 values are NaN"):
         experts.pack_for_kernels("layers.1.mlp.experts")
+
+
+def test_deepseek_fp4_experts_run_in_the_fused_kernels_without_a_bf16_copy():
+    """DeepSeek's released storage (FP4 routed experts as int8 pairs + e8m0 `.scale`, FP8 shared expert + e8m0
+    `.scale` per 128 x 128, handed to `load_weights` raw): on CUDA in bf16 the experts are held as the kernels'
+    mxfp4 (uint8 bytes, the stored ones) and match the same layer holding the dequantized weights."""
+    import msgspec
+
+    from epdraft.config.ffn import DraftMoeFFNSpec, RouterSpec
+    from epdraft.config.quant import QuantSpec
+    from epdraft.layers import DraftMoE
+    from epdraft.loading.quant import quantize_fp4, quantize_fp8
+
+    E, I, H = 16, 256, 512
+    quant = QuantSpec(method="fp8", block=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4")
+    spec = DraftMoeFFNSpec(router=RouterSpec(num_experts=E, top_k=4), intermediate_size=I, shared_intermediate_size=I,
+                           quantization=quant)
+    gen = torch.Generator().manual_seed(12)
+    raw = {"layers.0.ffn.gate.weight": torch.randn(E, H, generator=gen).bfloat16()}
+    for name, shape, fp4 in [*((f"experts.{e}.w{k}", (H, I) if k == 2 else (I, H), True)
+                               for e in range(E) for k in (1, 2, 3)),
+                             *((f"shared_experts.w{k}", (H, I) if k == 2 else (I, H), False) for k in (1, 2, 3))]:
+        w = torch.randn(*shape, generator=gen) * shape[1] ** -0.5
+        q, scale = quantize_fp4(w) if fp4 else quantize_fp8(w, (128, 128), ue8m0=True)
+        raw |= {f"layers.0.ffn.{name}.weight": q, f"layers.0.ffn.{name}.scale": scale}
+    held = DraftMoE(spec, H, layer_id=0, dtype=torch.bfloat16, device="cuda")
+    assert held.kernels.quantized_experts, held.kernels.label
+    plain = DraftMoE(msgspec.structs.replace(spec, quantization=None), H, layer_id=0, dtype=torch.bfloat16,
+                     device="cuda", quantization=quant)
+    for module in (held, plain):
+        module.load_weights(raw)
+        module.check_loaded()
+    assert held.experts.w13.dtype == torch.uint8 and held.experts.w13.shape == (E, 2 * I, H // 2)
+    assert torch.equal(held.experts.w13[5, :I].cpu(), raw["layers.0.ffn.experts.5.w1.weight"].view(torch.uint8))
+    assert plain.experts.w13.dtype == torch.bfloat16
+    x = torch.randn(64, H, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        out = held(x)
+        assert_matches(out, plain(x))
+        held.experts.pack_for_kernels()
+        assert (held.experts.w13_packing, held.experts.w2_packing) == ("shift", "shift")
+        assert torch.equal(held(x), out)

@@ -143,3 +143,16 @@ def test_layers_and_models_decide_nothing_per_call_from_the_device():
              if p.name != "step_kernels.py"
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]  # fmt: skip
     assert not found, "per-call device decisions outside StepKernels:\n" + "\n".join(found)
+
+
+def test_deepseek_fp4_experts_held_as_mxfp4_and_fp8_linears_dequantized(triton_here):
+    """DeepSeek's released storage: the fp4 experts stay quantized (as mxfp4) where the fused kernels take them,
+    its fp8 linears are dequantized at load either way, and the rank's one line says both."""
+    q = QuantSpec(method="fp8", block=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4")
+    ds = DraftMixFFNSpec(family="moe", hidden_size=H, layers=(_moe(q),), quantization=q)
+    kept = StepKernels.resolve("cuda", torch.bfloat16, ffn=ds, layout=_layout())
+    assert kept.quantized_experts and kept.dequantized == "fp8 linears dequantized to bfloat16 at load"
+    cpu = StepKernels.resolve("cpu", torch.float32, ffn=ds)
+    assert not cpu.quantized_experts
+    assert cpu.dequantized.startswith("fp4 checkpoint dequantized to float32 at load (")
+    assert cpu.dequantized.endswith("; fp8 linears dequantized to float32 at load")

@@ -221,7 +221,7 @@ def test_modules_to_not_convert_are_honoured(quantized):
         ({"quant_method": "fp8"}, "quantization_config.weight_block_size is missing"),
         ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size = [128]"),
         ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "activation_scheme"),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"}, "expert_dtype = 'fp4'"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "int4"}, "expert_dtype = 'int4'"),
         ({"quant_method": "mxfp4", "group_size": 16}, "unknown key(s) ['group_size']"),
         ({"quant_method": "mxfp4", "modules_to_not_convert": "router"}, "modules_to_not_convert = 'router'"),
     ],
@@ -310,3 +310,40 @@ def test_quantized_tensors_without_a_quantization_config_are_refused(quantized):
         with pytest.raises(LoadError, match=re.escape(suffix) + ": a quantized tensor, but the config has no "
                                                                   "quantization_config"):
             load_ffn(module, quantized[fmt], LAYER)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("kernels", [None, HELD], ids=["dequantized", "held"])
+def test_load_weights_of_a_quantized_layer_takes_the_raw_tensors(fmt, kernels):
+    """A layer built from a quantized spec takes the checkpoint's tensors as a plain dict (as an engine hands them
+    over) and loads what it loads from the same tensors wrapped in a QuantizedSource."""
+    I = 64
+    tensors, *_ = _checkpoint(fmt, "per-expert", seed=4, I=I)
+    spec = msgspec.structs.replace(_moe_spec(I), quantization=SPECS[fmt])
+    raw, wrapped = _sharded(spec, kernels, ep_rank=1, ep_size=2), _sharded(spec, kernels, ep_rank=1, ep_size=2)
+    consumed = raw.load_weights(tensors)
+    raw.check_loaded()
+    load_ffn(wrapped, QuantizedSource(tensors, SPECS[fmt], torch.float32, transposed_stacked=False), LAYER)
+    assert consumed == {re.sub(r"_(blocks|scales|scale_inv)$", "", n) for n in tensors
+                        if not n.endswith(("_scales", "_scale_inv"))}
+    for (name, a), (_, b) in zip(raw.state_dict().items(), wrapped.state_dict().items()):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def test_load_weights_of_a_quantized_dense_mlp_takes_the_raw_tensors():
+    """A dense layer of a quantized checkpoint (DeepSeek-V3's first layers, fp8) takes its raw tensors too."""
+    from epdraft.layers import DraftMLP
+
+    gen = torch.Generator().manual_seed(6)
+    tensors, want = {}, {}
+    for part, shape in (("gate_proj", (40, H)), ("up_proj", (40, H)), ("down_proj", (H, 40))):
+        q, d = _quantize("fp8", f"{P}{part}.weight", torch.randn(*shape, generator=gen))
+        tensors |= q
+        want[part] = d
+    mlp = DraftMLP(H, 40, layer_id=LAYER, dtype=torch.float32, quantization=SPECS["fp8"])
+    assert mlp.load_weights(tensors) == {f"{P}{part}.weight" for part in want}
+    mlp.check_loaded()
+    for part, w in want.items():
+        assert torch.equal(getattr(mlp, part).weight, w), part
+    with pytest.raises(LoadError, match=re.escape(f"{P}gate_proj.weight_scale_inv: a quantized tensor")):
+        DraftMLP(H, 40, layer_id=LAYER, dtype=torch.float32).load_weights(tensors)
