@@ -6,3 +6,14 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     || return 1
   export PYTHONPATH=/tmp/site:$PWD
 fi
+
+# device_log NAME: the device scripts' shared start: $OUT (default ./NAME) made, $LOG = $OUT/NAME.log
+# begun with the date and the GPU, and $ONE, the `epdraft run` overrides for one rank on one GPU.
+device_log() {
+  OUT=${OUT:-./$1}
+  mkdir -p "$OUT"
+  LOG=$OUT/$1.log
+  date -u +%FT%TZ | tee "$LOG"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
+  ONE="--set cluster.nproc_per_node=1 --set draft.attn_dp=1 --set target.dp=1 --set target.tp=1 --set draft.moe_ep=1"
+}

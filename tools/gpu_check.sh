@@ -6,12 +6,8 @@
 # Mooncake tests) in .whl/ first; they are installed into /tmp/site.
 set -o pipefail
 export PYTHONUNBUFFERED=1 MC_LOG_LEVEL=WARNING
-OUT=${OUT:-./gpu-check}
-mkdir -p "$OUT"
 . "$(dirname "$0")/device_env.sh" || exit 1
-LOG=$OUT/gpu-check.log
-date -u +%FT%TZ | tee "$LOG"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
+device_log gpu-check
 for part in ${@:-tests bench run}; do
   echo "=== $part $(date -u +%FT%TZ)" | tee -a "$LOG"
   case $part in

@@ -5,13 +5,8 @@
 # Parts: ${@:-tests bench run}. Logs: ${OUT:-./gpu-dspark}.
 set -o pipefail
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-./gpu-dspark}
-mkdir -p "$OUT"
 . "$(dirname "$0")/device_env.sh" || exit 1
-LOG=$OUT/gpu-dspark.log
-date -u +%FT%TZ | tee "$LOG"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
-ONE="--set cluster.nproc_per_node=1 --set draft.attn_dp=1 --set target.dp=1 --set target.tp=1 --set draft.moe_ep=1"
+device_log gpu-dspark
 for part in ${@:-tests bench run}; do
   echo "=== $part $(date -u +%FT%TZ)" | tee -a "$LOG"
   case $part in

@@ -5,13 +5,8 @@
 # pair of realistic size at T = 0.8 with graphs. Parts: ${@:-tests bench run random}. Logs: ${OUT:-./gpu-sampling}.
 set -o pipefail
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-./gpu-sampling}
-mkdir -p "$OUT"
 . "$(dirname "$0")/device_env.sh" || exit 1
-LOG=$OUT/gpu-sampling.log
-date -u +%FT%TZ | tee "$LOG"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
-ONE="--set cluster.nproc_per_node=1 --set draft.attn_dp=1 --set target.dp=1 --set target.tp=1 --set draft.moe_ep=1"
+device_log gpu-sampling
 for part in ${@:-tests bench run random}; do
   echo "=== $part $(date -u +%FT%TZ)" | tee -a "$LOG"
   case $part in

@@ -5,13 +5,8 @@
 # On a machine without internet, put msgspec's wheel in .whl/ first (../shared/tools/device-wheels.sh).
 set -o pipefail
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-./gpu-step}
-mkdir -p "$OUT"
 . "$(dirname "$0")/device_env.sh" || exit 1
-LOG=$OUT/gpu-step.log
-date -u +%FT%TZ | tee "$LOG"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
-ONE="--set cluster.nproc_per_node=1 --set draft.attn_dp=1 --set target.dp=1 --set target.tp=1 --set draft.moe_ep=1"
+device_log gpu-step
 for part in ${@:-tests bench run}; do
   echo "=== $part $(date -u +%FT%TZ)" | tee -a "$LOG"
   case $part in

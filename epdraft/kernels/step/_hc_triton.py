@@ -83,6 +83,18 @@ def hc_mixes_kernel(
 
 
 @triton.jit
+def _stream_tile(x_ptr, H, stride_x, C: tl.constexpr, BLOCK_H: tl.constexpr):
+    """This program's row r and H block of the streams [R, C, H]: (r, h, c, h < H, the C x BLOCK_H
+    tile in fp32)."""
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    c = tl.arange(0, C)
+    ok = h < H
+    x = tl.load(x_ptr + r * stride_x + c[:, None] * H + h[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
+    return r, h, c, ok, x
+
+
+@triton.jit
 def hc_collapse_kernel(
     x_ptr, pre_ptr, out_ptr,
     H, stride_x, stride_o,
@@ -91,11 +103,7 @@ def hc_collapse_kernel(
 ):  # fmt: skip
     """Row r, one H block: out[r] = sum_j pre[r, j] x[r, j] in fp32, rounded to out's dtype (`collapse`)."""
     enter(PDL)
-    r = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    c = tl.arange(0, C)
-    ok = h < H
-    x = tl.load(x_ptr + r * stride_x + c[:, None] * H + h[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
+    r, h, c, ok, x = _stream_tile(x_ptr, H, stride_x, C, BLOCK_H)
     pre = tl.load(pre_ptr + r * C + c)
     tl.store(out_ptr + r * stride_o + h, tl.sum(pre[:, None] * x, axis=0).to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -110,11 +118,7 @@ def hc_write_back_kernel(
     """Row r, one H block: out[r, k] = post[r, k] y[r] + sum_j comb[r, j, k] x[r, j] in fp32, rounded to
     x's dtype (`write_back`); out is [R, C, H] contiguous."""
     enter(PDL)
-    r = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    c = tl.arange(0, C)
-    ok = h < H
-    x = tl.load(x_ptr + r * stride_x + c[:, None] * H + h[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
+    r, h, c, ok, x = _stream_tile(x_ptr, H, stride_x, C, BLOCK_H)
     y = tl.load(y_ptr + r * stride_y + h, mask=ok, other=0.0).to(tl.float32)
     comb = tl.load(comb_ptr + r * C * C + c[:, None] * C + c[None, :])  # [j, k]
     post = tl.load(post_ptr + r * C + c)
