@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -19,7 +20,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from epdraft.config.parallel import ParallelConfig
+from epdraft.config.parallel import ParallelConfig, check_standalone_target
 from epdraft.config.sampling import SamplingParams
 from epdraft.layers.step_kernels import default_dtype
 from epdraft.models.checkpoint import read_draft_spec
@@ -82,8 +83,13 @@ class RankSetup:
     target_dtype: torch.dtype
 
 
-def rank_setup(pc: ParallelConfig, job: RunJob) -> RankSetup:
-    """Read the draft's spec (its config.json, once) and the prompts; resolve device and dtypes."""
+def rank_setup(pc: ParallelConfig, config_path: str, job: RunJob) -> RankSetup:
+    """Read the draft's spec (its config.json, once) and the prompts; resolve device and dtypes.
+
+    Raises ConfigError naming target.tp in `config_path` when the config asks for a sharded target
+    (`epdraft run` refuses it before any rank starts; a worker started some other way, here).
+    """
+    check_standalone_target(pc, source=config_path)
     device_type, _ = resolve_backend(pc)
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     return RankSetup(
@@ -118,13 +124,17 @@ def run_job(
 ) -> str | None:
     """Serve the job's prompts on a colocated rank; rank 0 prints (and writes) the summary.
 
+    The report's start-up time is this rank's from here to serving (the target and draft loaded,
+    the runtime built), apart from the serving wall time the throughput divides by.
+
     `watchdog`: this rank's, told each phase (a stalled peer is named with its last one).
     Returns, on rank 0, why the run failed although every rank finished (the lossless check, no
     token generated); None otherwise.
     """
     assert groups is not None, "a colocated rank always holds the draft"
+    started = time.perf_counter()
     watchdog.progress(phase="reading the draft config and prompts")
-    setup = rank_setup(pc, job)
+    setup = rank_setup(pc, config_path, job)
     spec = setup.spec
     display = Progress.for_rank(dist.get_rank())
     display.phase("loading the target")
@@ -142,6 +152,10 @@ def run_job(
         pc, job.draft, target, groups=groups, spec=spec, dtype=setup.dtype, device=setup.device, num_extras=2,
         timers=timers, watchdog=watchdog, **pool_limits(pc, job, prompts, mine, spec.block_size),
     )  # fmt: skip
+    # Every rank starts serving together: a rank that loaded first would otherwise book its wait
+    # for the others as step sync, and the ranks' wall times (which the phases split) would differ.
+    dist.barrier(group=groups.cpu)
+    startup = timers.now() - started
     try:
         log.debug("%d of %d prompts on this rank", len(mine), len(prompts))  # the summary has every rank's count
         report = serve_requests(
@@ -156,6 +170,7 @@ def run_job(
             total_tokens=len(prompts) * job.max_new_tokens,
         )
         report.layout, report.kernels = runtime.layout.label, runtime.kernels.label
+        report.startup_seconds = startup
     finally:
         runtime.close()
     root = dist.get_process_group_ranks(groups.cpu)[0]
