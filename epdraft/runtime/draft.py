@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -226,6 +226,22 @@ class DraftRuntime:
     def block_size(self) -> int:
         return self.draft.block_size
 
+    @torch.no_grad()
+    def warm_up(self, progress: Callable[[int], None] | None = None) -> None:
+        """Capture the step's CUDA graph of every batch bucket (argmax readout) now, so that no
+        request pays a capture later; `progress(buckets done)` after each. Without graphs it does
+        nothing. Every rank of the DP group must call it at the same point: each capture runs the
+        MoE layers' collectives at the bucket's shapes (on pad rows only: nothing is drafted).
+        A sampled readout's graphs are still captured on first use."""
+        if self.graphs is None:
+            return
+        ranks = self.coordinator.ranks
+        for done, bucket in enumerate(self.graphs.buckets, start=1):
+            self.watchdog.progress(phase=f"capturing the draft step for {bucket} requests")
+            self.graphs.run([], [], StepPlan(step=-1, ranks=ranks, counts=(bucket * self.block_size,) * len(ranks)))
+            if progress is not None:
+                progress(done)
+
     def _phase(self, name: str):
         return self.timers.phase(name) if self.timers is not None else contextlib.nullcontext()
 
@@ -266,8 +282,8 @@ class DraftRuntime:
 
         Every rank must call this once per step, an idle rank with `anchors = {}`. Returns with
         empty drafts on every rank when the agreed plan says no rank has rows. No host sync on
-        CUDA beyond the step's CPU-group sync: the drafts stay on the device, and their layers'
-        finite flags are read by `commit`, after the caller has read the drafts anyway.
+        CUDA beyond the step's CPU-group sync (none with `counts`): the drafts stay on the device,
+        and their layers' finite flags are read by `commit`, after the caller has read the drafts.
 
         counts: the engine's DP metadata, when it already agreed on it for its target forward:
             every rank's draft rows (its requests x block_size) in the order of the draft's DP
@@ -347,18 +363,17 @@ class DraftRuntime:
                 f"rank {me}, step {step}: extras travel in the coordinator's sync; with the engine's counts "
                 "pass none (or check_counts=True)"
             )
-        plan = StepPlan(step=step, ranks=ranks, counts=counts)
-        if check:
-            self.watchdog.progress(step, "step sync (checking the engine's counts)")
-            with self._phase("sync"):
-                gathered = self.coordinator.sync(step, rows, extras)
-            if gathered.counts != counts:
-                raise StepMismatch(
-                    f"rank {me}, step {step}: the engine's counts {list(counts)} differ from the gathered "
-                    f"{list(gathered.counts)} (ranks {list(ranks)})"
-                )
-            plan = gathered
-        return plan
+        if not check:
+            return StepPlan(step=step, ranks=ranks, counts=counts)
+        self.watchdog.progress(step, "step sync (checking the engine's counts)")
+        with self._phase("sync"):
+            gathered = self.coordinator.sync(step, rows, extras)
+        if gathered.counts != counts:
+            raise StepMismatch(
+                f"rank {me}, step {step}: the engine's counts {list(counts)} differ from the gathered "
+                f"{list(gathered.counts)} (ranks {list(ranks)})"
+            )
+        return gathered
 
     def _failed(self, error: EpdraftError) -> EpdraftError:
         """Tell the peers why this rank fails (they name it rather than calling it gone); return `error`."""

@@ -158,6 +158,7 @@ def _serve_draft(
         watchdog=watchdog, **pool_limits(pc, job, prompts, mine, setup.spec.block_size),
     )  # fmt: skip
     try:
+        runtime.warm_up()
         link.register_as_draft(targets)
         steps = serve_draft_rank(runtime, link, targets, rank=rank)
     finally:

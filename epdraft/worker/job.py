@@ -125,7 +125,8 @@ def run_job(
     """Serve the job's prompts on a colocated rank; rank 0 prints (and writes) the summary.
 
     The report's start-up time is this rank's from here to serving (the target and draft loaded,
-    the runtime built), apart from the serving wall time the throughput divides by.
+    the runtime built, the step's CUDA graphs captured), apart from the serving wall time the
+    throughput divides by.
 
     `watchdog`: this rank's, told each phase (a stalled peer is named with its last one).
     Returns, on rank 0, why the run failed although every rank finished (the lossless check, no
@@ -152,6 +153,9 @@ def run_job(
         pc, job.draft, target, groups=groups, spec=spec, dtype=setup.dtype, device=setup.device, num_extras=2,
         timers=timers, watchdog=watchdog, **pool_limits(pc, job, prompts, mine, spec.block_size),
     )  # fmt: skip
+    if runtime.graphs is not None:
+        display.phase("capturing the draft step's CUDA graphs", len(runtime.graphs.buckets), "buckets")
+        runtime.warm_up(display.update)
     # Every rank starts serving together: a rank that loaded first would otherwise book its wait
     # for the others as step sync, and the ranks' wall times (which the phases split) would differ.
     dist.barrier(group=groups.cpu)

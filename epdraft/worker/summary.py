@@ -344,7 +344,8 @@ def format_summary(s: RunSummary) -> str:
         *_sampling_lines(s),
         f"throughput: {s.generated_tokens} tokens in {s.seconds:.2f} s = {s.tokens_per_s:.1f} tok/s "
         f"({s.steps} global steps; prefill through the last step)",
-        f"start-up: {s.startup_seconds:.2f} s (models loaded, runtime built; not in the throughput)",
+        f"start-up: {s.startup_seconds:.2f} s (models loaded, runtime built, CUDA graphs captured when on; "
+        "not in the throughput)",
         *_phase_lines(s),
     ]
     lines.append(_lossless_line(s))

@@ -127,7 +127,8 @@ def test_time_split_prints_rows_that_sum_to_the_wall_and_the_start_up_apart():
     report = _report(0, [RequestOutcome(request_id=0, rank=0, tokens=[1, 2], accept_lens=[1])], seconds=2.0)
     report.startup_seconds = 7.25
     text = format_summary(summarize([report], config="c"))
-    assert "start-up: 7.25 s (models loaded, runtime built; not in the throughput)" in text
+    assert "start-up: 7.25 s (models loaded, runtime built, CUDA graphs captured when on; not in the throughput)" \
+        in text
     assert "tokens in 2.00 s" in text
     assert "the rows sum to 2.000 s" in text
     assert "other (host loop; a rank done before the slowest)" in text and "0.500 s" in text
