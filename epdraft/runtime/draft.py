@@ -230,7 +230,8 @@ class DraftRuntime:
     def warm_up(self, progress: Callable[[int], None] | None = None) -> None:
         """Capture the step's CUDA graph of every batch bucket (argmax readout) now, so that no
         request pays a capture later; `progress(buckets done)` after each. Without graphs it does
-        nothing. Every rank of the DP group must call it at the same point: each capture runs the
+        nothing. Every rank of the DP group must call it at the same point, built with the same
+        `max_requests` (the same buckets, as any step under graphs needs): each capture runs the
         MoE layers' collectives at the bucket's shapes (on pad rows only: nothing is drafted).
         A sampled readout's graphs are still captured on first use."""
         if self.graphs is None:

@@ -152,10 +152,11 @@ def _serve_draft(
     log.info("draft DP rank %d serves target ranks %s", groups.dp_rank, list(targets))
     prompts = setup.prompts
     per_target = assign_prompts([len(p.ids) for p in prompts], job.max_new_tokens, pc.target_world_size)
-    mine = [i for t in targets for i in per_target[pc.target_ranks.index(t)]]
+    shares = [[i for t in paired_target_ranks(pc, d) for i in per_target[pc.target_ranks.index(t)]]
+              for d in pc.draft_ranks]  # fmt: skip
     runtime = DraftRuntime.from_config(
         pc, job.draft, heads, groups=groups, spec=setup.spec, dtype=setup.dtype, device=heads.device, timers=timers,
-        watchdog=watchdog, **pool_limits(pc, job, prompts, mine, setup.spec.block_size),
+        watchdog=watchdog, **pool_limits(pc, job, prompts, shares, setup.spec.block_size),
     )  # fmt: skip
     try:
         runtime.warm_up()

@@ -109,12 +109,16 @@ def run_prompts(job: RunJob) -> list[Prompt]:
     return [msgspec.structs.replace(p, sampling=seeded(p.sampling, job.seed, i)) for i, p in enumerate(prompts)]
 
 
-def pool_limits(pc: ParallelConfig, job: RunJob, prompts: list[Prompt], mine: list[int], block_size: int) -> dict:
-    """The KV pool a rank serving prompts `mine` needs: the config's limits, or what the run needs
-    (every prompt of the rank at once, each to its prompt + max_new_tokens + one block of rows)."""
-    longest = max((len(prompts[i].ids) for i in mine), default=0)
+def pool_limits(
+    pc: ParallelConfig, job: RunJob, prompts: list[Prompt], shares: list[list[int]], block_size: int
+) -> dict:
+    """The KV pool every draft rank sizes alike when `shares` are the DP ranks' prompt indices: the
+    config's limits, or what the run needs (the largest share at once, each request to its prompt
+    + max_new_tokens + one block of rows). Alike on every rank, because the CUDA-graph buckets
+    follow `max_requests` and every rank must hold the bucket of the busiest one."""
+    longest = max((len(prompts[i].ids) for share in shares for i in share), default=0)
     return {
-        "max_requests": pc.draft.max_requests or max(1, len(mine)),
+        "max_requests": pc.draft.max_requests or max(1, max(map(len, shares), default=0)),
         "max_context": pc.draft.max_context or longest + job.max_new_tokens + block_size,
     }
 
@@ -146,12 +150,13 @@ def run_job(
     )
     timers = PhaseTimers(setup.device)
     prompts = setup.prompts
-    mine = assign_prompts([len(p.ids) for p in prompts], job.max_new_tokens, groups.dp_size)[groups.dp_rank]
+    shares = assign_prompts([len(p.ids) for p in prompts], job.max_new_tokens, groups.dp_size)
+    mine = shares[groups.dp_rank]
     display.phase("loading the draft")
     watchdog.progress(phase="loading the draft")
     runtime = DraftRuntime.from_config(
         pc, job.draft, target, groups=groups, spec=spec, dtype=setup.dtype, device=setup.device, num_extras=2,
-        timers=timers, watchdog=watchdog, **pool_limits(pc, job, prompts, mine, spec.block_size),
+        timers=timers, watchdog=watchdog, **pool_limits(pc, job, prompts, shares, spec.block_size),
     )  # fmt: skip
     if runtime.graphs is not None:
         display.phase("capturing the draft step's CUDA graphs", len(runtime.graphs.buckets), "buckets")
