@@ -19,6 +19,8 @@ exit 2, before torchrun runs. What is checked:
 - the prompts: UTF-8 JSON lines of integer ids or text, not all refused, each within the
   target's max_position_embeddings with --max-new-tokens, each line's sampling fields in range;
   under disaggregated placement, greedy only (its link carries no proposal probabilities);
+- the layout: target.tp = 1 (the runner loads the whole HF target on every target rank; a
+  tensor-parallel target is not implemented, and a config asking for one is refused, naming it);
 - the transport: `placement.transfer = 'mooncake'` imports Mooncake's engine here (its wheel and the
   system library it links, libibverbs).
 """
@@ -33,7 +35,7 @@ import math
 import os
 from pathlib import Path
 from epdraft.config.hf import parse_ffn_config, read_config_json
-from epdraft.config.parallel import ParallelConfig, check_moe_split
+from epdraft.config.parallel import ParallelConfig, check_moe_split, check_standalone_target
 from epdraft.config.sampling import SamplingParams
 from epdraft.errors import ConfigError, LoadError, RequestError
 from epdraft.loading.header import FLOAT_DTYPES
@@ -73,6 +75,7 @@ def check_run(args: argparse.Namespace, pc: ParallelConfig) -> None:
         raise ConfigError("the standalone runner's target runs on transformers, which is not installed: "
                           "pip install 'epdraft[hf]'")  # fmt: skip
     check_run_flags(args)
+    check_standalone_target(pc, source=args.config)
     check_transport(pc)
     spec, weight_map = check_draft(args.draft)
     target = check_target(args.target, draft=args.draft)

@@ -276,6 +276,11 @@ RUN_CASES = [
      "cluster.timeout_s = inf: expected seconds in [1, 86400]"),
     ("config-timeout-tiny", lambda p: ["--set", "cluster.timeout_s=0.001"],
      "cluster.timeout_s = 0.001: expected seconds in [1, 86400]"),
+    ("target-tp-in-file", _config_case(LOCAL_CPU_2.replace("tp = 1\ndp = 2", "tp = 2\ndp = 1")),
+     "cfg.toml: target.tp = 2: the standalone runner loads the whole HF target on every target rank (a "
+     "tensor-parallel target is not implemented); set target.tp = 1 and target.dp = 2"),
+    ("target-tp-override", lambda p: ["configs/local-cpu-4.toml", "--set", "target.tp=4", "--set", "target.dp=1"],
+     "configs/local-cpu-4.toml: target.tp = 4: the standalone runner loads the whole HF target"),
 ]
 
 

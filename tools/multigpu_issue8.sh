@@ -36,7 +36,7 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 GPU_COUNTS=$(for n in 2 4 8; do [ "$n" -le "$NGPU" ] && echo "$n"; done)
 
 # Overrides turning configs/h200x8-dp8-ep8.toml (alltoall, EP 8) into the same layout on N GPUs.
-on_gpus() { echo --set cluster.nproc_per_node="$1" --set draft.attn_dp="$1" --set draft.moe_ep="$1" --set target.tp="$1"; }
+on_gpus() { echo --set cluster.nproc_per_node="$1" --set draft.attn_dp="$1" --set draft.moe_ep="$1" --set target.dp="$1"; }
 
 part_env() {
   step env env.log bash -c '

@@ -3,8 +3,8 @@
 One file (TOML, YAML or JSON) per deployment, e.g. `configs/h200x8-dp8-ep8.toml`:
 
     [cluster]                  [draft]                       [target]     [placement]
-    nnodes = 1                 attn_dp = 8                   tp = 8       mode = "colocated"
-    nproc_per_node = 8         moe_layout = "alltoall"       dp = 1
+    nnodes = 1                 attn_dp = 8                   tp = 1       mode = "colocated"
+    nproc_per_node = 8         moe_layout = "alltoall"       dp = 8
     device = "cuda"            moe_ep = 8
 
 Everything is checked here, once, at load: later code trusts the Struct. Every error is a
@@ -122,7 +122,8 @@ class DraftConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 class TargetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What the target runs: the host engine's layout (the standalone runner uses tp = 1)."""
+    """What the target runs: the host engine's layout. The standalone runner replicates its HF
+    target (tp = 1, dp = the target ranks) and refuses tp > 1 (`check_standalone_target`)."""
 
     dp: Annotated[int, msgspec.Meta(ge=1, description="target data-parallel degree; tp x dp = target ranks")]
     tp: Annotated[int, msgspec.Meta(ge=1, description="target tensor-parallel degree")] = 1
@@ -315,6 +316,22 @@ def check_moe_split(pc: ParallelConfig, ffn: DraftMixFFNSpec, *, source: str = "
                 f"draft.moe_tp = {d.moe_tp} must divide the draft's expert intermediate size "
                 f"{moe.intermediate_size} ({source}, layer {layer_id})"
             )
+
+
+def check_standalone_target(pc: ParallelConfig, *, source: str) -> None:
+    """Raise ConfigError naming target.tp in `source` (the config file) when it is above 1.
+
+    The standalone runner's target is an HF transformers model loaded whole on every target rank
+    (replicated: target.dp = the target ranks); sharding it over target.tp ranks is not
+    implemented, so a config asking for it would promise what the runner does not do. An
+    embedding engine's own target layout is its own business: only the runner calls this.
+    """
+    if pc.target.tp > 1:
+        raise ConfigError(
+            f"{source}: target.tp = {pc.target.tp}: the standalone runner loads the whole HF target on every "
+            f"target rank (a tensor-parallel target is not implemented); set target.tp = 1 and "
+            f"target.dp = {pc.target_world_size}"
+        )
 
 
 # Loading: file -> dict -> overrides -> msgspec.convert, so every failure becomes a ConfigError with a key path.

@@ -3,14 +3,18 @@
 The engine builds one per DP rank (with its own process groups, or from a ParallelConfig), then on
 every rank, every step, in the same order:
 
-    proposal = runtime.propose(step, anchors)      # {} on an idle rank: it still joins every collective
+    proposal = runtime.propose(step, anchors, counts=rows_per_rank)   # {} on an idle rank: it still
+                                                    # joins every collective
     if proposal.plan.skip: ...                      # no rank had rows: every rank skipped together
     result = engine.verify(blocks built from proposal.drafts)
     runtime.commit(result)                          # committed rows' target features -> draft context
 
-`propose` does the step's one sync (row counts, step id, the caller's extras) and then runs every
-draft layer once over all of the rank's rows, handing the agreed plan to every MoE layer, so each
-MoE collective is entered exactly once per layer per step by every rank.
+`counts` is the engine's DP metadata, already agreed for its target forward: every DP rank's rows
+(requests x block_size), in the draft DP group's order. Given it, the step issues no collective
+but its MoE layers' dispatch and combine. Without it, `propose` does one sync first (row counts,
+step id -- checked --, the caller's extras), as the standalone runner does. Either way every draft
+layer runs once over all of the rank's rows with the agreed plan handed to every MoE layer, so
+each MoE collective is entered exactly once per layer per step by every rank.
 
 Context K/V live in the draft's pool (a KVPool, or a WindowKVPool) sized once (`max_requests` x `max_context` rows), written in place by
 `add_request` / `commit`; with `kernels.graphs` the step is replayed from a CUDA graph per batch
@@ -28,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -37,7 +41,7 @@ import torch.distributed as dist
 from epdraft.config.parallel import DEFAULT_HANG_TIMEOUT_S, ParallelConfig
 from epdraft.config.sampling import SamplingParams
 from epdraft.dispatch import MoeLayout, StepPlan, make_dispatcher
-from epdraft.errors import ConfigError, EpdraftError, NonFiniteError, RequestError
+from epdraft.errors import ConfigError, EpdraftError, NonFiniteError, ParallelError, RequestError, StepMismatch
 from epdraft.layers.moe import DraftMoE
 from epdraft.layers.step_kernels import StepKernels, default_dtype, log_choice
 from epdraft.models.checkpoint import load_draft, read_draft_spec
@@ -80,8 +84,10 @@ class DraftRuntime:
         coordinator: the per-step StepCoordinator over the draft's DP group.
         layout: the MoeLayout the draft was built with (what the run summary reports).
         max_requests / max_context: the KV pool's limits (requests at once, context rows each).
-        timers: phase timers (None: no timing, no extra device syncs). Under CUDA graphs only the
-            step as a whole is timed: a per-layer device sync cannot sit inside a graph.
+        timers: phase timers (None: no timing). Eager, the step is split into its MoE layers'
+            dispatch, combine and the rest of each layer (nested phases, booked exclusively); under
+            CUDA graphs the step is one phase ("draft_step_graph"): a replay has no host-side
+            boundaries to time.
         watchdog: this rank's heartbeat (its step and phase are set here), which names the lost
             peer when a step's collective fails.
         owns_watchdog: whether `close` stops it (the runtime started it).
@@ -129,7 +135,7 @@ class DraftRuntime:
             )  # fmt: skip
         elif timers is not None:
             for m in moe_layers:
-                time_forward(m, timers, "moe_total")
+                time_forward(m, timers, "moe_experts")
 
     @classmethod
     def build(
@@ -219,6 +225,23 @@ class DraftRuntime:
     def block_size(self) -> int:
         return self.draft.block_size
 
+    @torch.no_grad()
+    def warm_up(self, progress: Callable[[int], None] | None = None) -> None:
+        """Capture the step's CUDA graph of every batch bucket (argmax readout) now, so that no
+        request pays a capture later; `progress(buckets done)` after each. Without graphs it does
+        nothing. Every rank of the DP group must call it at the same point, built with the same
+        `max_requests` (the same buckets, as any step under graphs needs): each capture runs the
+        MoE layers' collectives at the bucket's shapes (on pad rows only: nothing is drafted).
+        A sampled readout's graphs are still captured on first use."""
+        if self.graphs is None:
+            return
+        ranks = self.coordinator.ranks
+        for done, bucket in enumerate(self.graphs.buckets, start=1):
+            self.watchdog.progress(phase=f"capturing the draft step for {bucket} requests")
+            self.graphs.run([], [], StepPlan(step=-1, ranks=ranks, counts=(bucket * self.block_size,) * len(ranks)))
+            if progress is not None:
+                progress(done)
+
     def _phase(self, name: str):
         return self.timers.phase(name) if self.timers is not None else contextlib.nullcontext()
 
@@ -245,34 +268,57 @@ class DraftRuntime:
         self.pool.release(request_id)
 
     @torch.no_grad()
-    def propose(self, step: int, anchors: Mapping[int, int], extras: tuple[int, ...] = ()) -> Proposal:
-        """Sync, then draft for every request in `anchors` (request id -> last verified token).
+    def propose(
+        self,
+        step: int,
+        anchors: Mapping[int, int],
+        extras: tuple[int, ...] = (),
+        *,
+        counts: Sequence[int] | None = None,
+        check_counts: bool = False,
+    ) -> Proposal:
+        """Agree on the step's row counts, then draft for every request in `anchors` (request id ->
+        last verified token).
 
         Every rank must call this once per step, an idle rank with `anchors = {}`. Returns with
         empty drafts on every rank when the agreed plan says no rank has rows. No host sync on
-        CUDA beyond the step's CPU-group sync: the drafts stay on the device, and their layers'
-        finite flags are read by `commit`, after the caller has read the drafts anyway.
+        CUDA beyond the step's CPU-group sync (none with `counts`): the drafts stay on the device,
+        and their layers' finite flags are read by `commit`, after the caller has read the drafts.
 
-        Raises ParallelError naming the lost peer(s), this step and phase when a collective fails
-        because a peer died or stalled.
+        counts: the engine's DP metadata, when it already agreed on it for its target forward:
+            every rank's draft rows (its requests x block_size) in the order of the draft's DP
+            group (`plan.ranks`). The step then issues no collective but its MoE dispatch. None:
+            the coordinator's sync gathers them (with the step id, checked, and `extras`).
+        check_counts: with `counts`, run the coordinator's sync anyway and raise StepMismatch
+            when the gathered step ids or counts differ from the engine's (a debugging aid: it
+            costs the collective the counts save).
+
+        Raises RequestError / ParallelError naming this rank when `counts` contradicts its own
+        anchors or the DP group; ParallelError naming the lost peer(s), this step and phase when a
+        collective fails because a peer died or stalled.
         """
         missing = [r for r in anchors if r not in self.pool]
         if missing:
             raise RequestError(f"propose: requests {missing} were never added on this rank")
+        rows = len(anchors) * self.block_size
         try:
-            self.watchdog.progress(step, "step sync")
-            with self._phase("sync"):
-                plan = self.coordinator.sync(step, len(anchors) * self.block_size, extras)
+            if counts is None:
+                self.watchdog.progress(step, "step sync")
+                with self._phase("sync"):
+                    plan = self.coordinator.sync(step, rows, extras)
+            else:
+                plan = self._engine_plan(step, rows, counts, extras, check_counts)
             if plan.skip:
                 return Proposal(plan, {})
-            self.watchdog.progress(phase="draft propose")
+            self.watchdog.progress(step, "draft propose")
             ids = list(anchors)
             slots = [self.pool.slot(r) for r in ids]
             readout = self.pool.readout(ids)
-            with self._phase("draft_propose"):
-                if self.graphs is not None:
+            if self.graphs is not None:
+                with self._phase("draft_step_graph"):
                     out = self.graphs.run(slots, [anchors[r] for r in ids], plan, readout=readout)
-                else:
+            else:
+                with self._phase("draft_attention"):
                     device = self.draft.device
                     slots_N = torch.tensor(slots, dtype=torch.long, device=device)
                     anchors_N = torch.tensor([anchors[r] for r in ids], dtype=torch.long, device=device)
@@ -288,6 +334,46 @@ class DraftRuntime:
         confidence = {} if out.confidence_NK is None else {r: out.confidence_NK[i] for i, r in enumerate(ids)}
         probs = {} if out.probs_NKV is None else {r: out.probs_NKV[i] for i, r in enumerate(ids)}
         return Proposal(plan, {r: out.drafts_NK[i] for i, r in enumerate(ids)}, confidence, probs)
+
+    def _engine_plan(
+        self, step: int, rows: int, counts: Sequence[int], extras: tuple[int, ...], check: bool
+    ) -> StepPlan:
+        """The step's plan from the engine's agreed row counts, checked against what this rank knows."""
+        ranks, me = self.coordinator.ranks, self.coordinator.rank
+        if len(counts) != len(ranks):
+            raise ParallelError(
+                f"rank {me}, step {step}: the engine passed {len(counts)} row counts; the draft's DP group "
+                f"has {len(ranks)} ranks {list(ranks)} (one count each, in that order)"
+            )
+        counts = tuple(int(c) for c in counts)
+        for rank, c in zip(ranks, counts):
+            if c < 0 or c % self.block_size:
+                raise RequestError(
+                    f"rank {me}, step {step}: the engine's count for rank {rank} is {c} rows; a count is "
+                    f"that rank's requests x block_size {self.block_size}"
+                )
+        mine = counts[ranks.index(me)]
+        if mine != rows:
+            raise RequestError(
+                f"rank {me}, step {step}: the engine's count for this rank is {mine} rows, but it passed "
+                f"{rows // self.block_size} anchors = {rows} rows (block_size {self.block_size})"
+            )
+        if extras and not check:
+            raise RequestError(
+                f"rank {me}, step {step}: extras travel in the coordinator's sync; with the engine's counts "
+                "pass none (or check_counts=True)"
+            )
+        if not check:
+            return StepPlan(step=step, ranks=ranks, counts=counts)
+        self.watchdog.progress(step, "step sync (checking the engine's counts)")
+        with self._phase("sync"):
+            gathered = self.coordinator.sync(step, rows, extras)
+        if gathered.counts != counts:
+            raise StepMismatch(
+                f"rank {me}, step {step}: the engine's counts {list(counts)} differ from the gathered "
+                f"{list(gathered.counts)} (ranks {list(ranks)})"
+            )
+        return gathered
 
     def _failed(self, error: EpdraftError) -> EpdraftError:
         """Tell the peers why this rank fails (they name it rather than calling it gone); return `error`."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -35,15 +36,11 @@ from epdraft.worker.disagg import RemoteDrafter, serve_draft_rank
 from epdraft.worker.job import RankSetup, RunJob, finish, pool_limits, rank_setup
 from epdraft.worker.pairing import PeerLink, paired_draft_rank, paired_target_ranks
 from epdraft.worker.serve import assign_prompts, serve_requests
-from epdraft.worker.summary import RankReport
+from epdraft.worker.summary import DRAFT_RANK_PHASES, RankReport
 from epdraft.worker.transfer import make_transport
 from epdraft.worker.transfer.control import ControlChannel
 
 log = logging.getLogger(__name__)
-
-# Phases only a draft rank measures; a target rank's report carries the draft ranks' mean of them.
-_DRAFT_PHASES = ("sync", "draft_context", "draft_propose", "moe_total", "moe_dispatch", "moe_combine")
-
 
 def run_disaggregated_job(
     pc: ParallelConfig, config_path: str, groups: Groups | None, job: RunJob, watchdog: Watchdog
@@ -56,7 +53,7 @@ def run_disaggregated_job(
     generated); None otherwise.
     """
     watchdog.progress(phase="reading the draft config and prompts")
-    setup = rank_setup(pc, job)
+    setup = rank_setup(pc, config_path, job)
     refuse_sampled(job.sampling, setup.prompts, job.prompts)
     watchdog.progress(phase="serving (disaggregated)")
     report, target, select = run_disaggregated(pc, groups, job, setup, watchdog)
@@ -84,6 +81,7 @@ def run_disaggregated(
     `groups` is None exactly on target ranks. Raises ParallelError naming the peer rank that
     stopped answering, StepMismatch on a step-id mismatch.
     """
+    started = time.perf_counter()
     rank = dist.get_rank()
     control = Groups.pair_control(pc)
     transfer_group = control if pc.placement.transfer == "mooncake" else dist.group.WORLD
@@ -109,7 +107,9 @@ def run_disaggregated(
             check_against_target(
                 spec, hidden_size=target.hidden_size, num_layers=target.num_layers, vocab_size=target.vocab_size
             )
+            startup = timers.now() - started
             report = _serve_target(pc, target, link, setup.prompts, timers, rank, job, watchdog)
+            report.startup_seconds = startup
     finally:
         link.close()
     return report, target, lambda reports: _target_reports(pc, reports)
@@ -152,12 +152,14 @@ def _serve_draft(
     log.info("draft DP rank %d serves target ranks %s", groups.dp_rank, list(targets))
     prompts = setup.prompts
     per_target = assign_prompts([len(p.ids) for p in prompts], job.max_new_tokens, pc.target_world_size)
-    mine = [i for t in targets for i in per_target[pc.target_ranks.index(t)]]
+    shares = [[i for t in paired_target_ranks(pc, d) for i in per_target[pc.target_ranks.index(t)]]
+              for d in pc.draft_ranks]  # fmt: skip
     runtime = DraftRuntime.from_config(
         pc, job.draft, heads, groups=groups, spec=setup.spec, dtype=setup.dtype, device=heads.device, timers=timers,
-        watchdog=watchdog, **pool_limits(pc, job, prompts, mine, setup.spec.block_size),
+        watchdog=watchdog, **pool_limits(pc, job, prompts, shares, setup.spec.block_size),
     )  # fmt: skip
     try:
+        runtime.warm_up()
         link.register_as_draft(targets)
         steps = serve_draft_rank(runtime, link, targets, rank=rank)
     finally:
@@ -169,15 +171,16 @@ def _serve_draft(
 
 
 def _target_reports(pc: ParallelConfig, reports: list[RankReport]) -> list[RankReport]:
-    """The target ranks' reports, each with the draft ranks' mean draft-side phase times folded in."""
+    """The target ranks' reports, each with the draft ranks' mean phase times beside its own (they
+    ran inside the target's transfer phase, so they are not added to its phases)."""
     drafts = [r for r in reports if r.rank in pc.draft_ranks]
-    mean = {k: sum(r.phases.get(k, 0.0) for r in drafts) / max(len(drafts), 1) for k in _DRAFT_PHASES}
+    mean = {k: sum(r.phases.get(k, 0.0) for r in drafts) / max(len(drafts), 1) for k in DRAFT_RANK_PHASES}
     layout = next((r.layout for r in drafts if r.layout), "")
     kernels = next((r.kernels for r in drafts if r.kernels), "")
     out = []
     for r in reports:
         if r.rank in pc.target_ranks:
-            r.phases = {**r.phases, **mean}
+            r.draft_rank_phases = mean
             r.layout, r.kernels = layout, kernels
             out.append(r)
     return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -19,7 +20,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from epdraft.config.parallel import ParallelConfig
+from epdraft.config.parallel import ParallelConfig, check_standalone_target
 from epdraft.config.sampling import SamplingParams
 from epdraft.layers.step_kernels import default_dtype
 from epdraft.models.checkpoint import read_draft_spec
@@ -82,8 +83,13 @@ class RankSetup:
     target_dtype: torch.dtype
 
 
-def rank_setup(pc: ParallelConfig, job: RunJob) -> RankSetup:
-    """Read the draft's spec (its config.json, once) and the prompts; resolve device and dtypes."""
+def rank_setup(pc: ParallelConfig, config_path: str, job: RunJob) -> RankSetup:
+    """Read the draft's spec (its config.json, once) and the prompts; resolve device and dtypes.
+
+    Raises ConfigError naming target.tp in `config_path` when the config asks for a sharded target
+    (`epdraft run` refuses it before any rank starts; a worker started some other way, here).
+    """
+    check_standalone_target(pc, source=config_path)
     device_type, _ = resolve_backend(pc)
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     return RankSetup(
@@ -103,12 +109,16 @@ def run_prompts(job: RunJob) -> list[Prompt]:
     return [msgspec.structs.replace(p, sampling=seeded(p.sampling, job.seed, i)) for i, p in enumerate(prompts)]
 
 
-def pool_limits(pc: ParallelConfig, job: RunJob, prompts: list[Prompt], mine: list[int], block_size: int) -> dict:
-    """The KV pool a rank serving prompts `mine` needs: the config's limits, or what the run needs
-    (every prompt of the rank at once, each to its prompt + max_new_tokens + one block of rows)."""
-    longest = max((len(prompts[i].ids) for i in mine), default=0)
+def pool_limits(
+    pc: ParallelConfig, job: RunJob, prompts: list[Prompt], shares: list[list[int]], block_size: int
+) -> dict:
+    """The KV pool every draft rank sizes alike when `shares` are the DP ranks' prompt indices: the
+    config's limits, or what the run needs (the largest share at once, each request to its prompt
+    + max_new_tokens + one block of rows). Alike on every rank, because the CUDA-graph buckets
+    follow `max_requests` and every rank must hold the bucket of the busiest one."""
+    longest = max((len(prompts[i].ids) for share in shares for i in share), default=0)
     return {
-        "max_requests": pc.draft.max_requests or max(1, len(mine)),
+        "max_requests": pc.draft.max_requests or max(1, max(map(len, shares), default=0)),
         "max_context": pc.draft.max_context or longest + job.max_new_tokens + block_size,
     }
 
@@ -118,13 +128,18 @@ def run_job(
 ) -> str | None:
     """Serve the job's prompts on a colocated rank; rank 0 prints (and writes) the summary.
 
+    The report's start-up time is this rank's from here to serving (the target and draft loaded,
+    the runtime built, the step's CUDA graphs captured), apart from the serving wall time the
+    throughput divides by.
+
     `watchdog`: this rank's, told each phase (a stalled peer is named with its last one).
     Returns, on rank 0, why the run failed although every rank finished (the lossless check, no
     token generated); None otherwise.
     """
     assert groups is not None, "a colocated rank always holds the draft"
+    started = time.perf_counter()
     watchdog.progress(phase="reading the draft config and prompts")
-    setup = rank_setup(pc, job)
+    setup = rank_setup(pc, config_path, job)
     spec = setup.spec
     display = Progress.for_rank(dist.get_rank())
     display.phase("loading the target")
@@ -135,13 +150,21 @@ def run_job(
     )
     timers = PhaseTimers(setup.device)
     prompts = setup.prompts
-    mine = assign_prompts([len(p.ids) for p in prompts], job.max_new_tokens, groups.dp_size)[groups.dp_rank]
+    shares = assign_prompts([len(p.ids) for p in prompts], job.max_new_tokens, groups.dp_size)
+    mine = shares[groups.dp_rank]
     display.phase("loading the draft")
     watchdog.progress(phase="loading the draft")
     runtime = DraftRuntime.from_config(
         pc, job.draft, target, groups=groups, spec=spec, dtype=setup.dtype, device=setup.device, num_extras=2,
-        timers=timers, watchdog=watchdog, **pool_limits(pc, job, prompts, mine, spec.block_size),
+        timers=timers, watchdog=watchdog, **pool_limits(pc, job, prompts, shares, spec.block_size),
     )  # fmt: skip
+    if runtime.graphs is not None:
+        display.phase("capturing the draft step's CUDA graphs", len(runtime.graphs.buckets), "buckets")
+        runtime.warm_up(display.update)
+    # Every rank starts serving together: a rank that loaded first would otherwise book its wait
+    # for the others as step sync, and the ranks' wall times (which the phases split) would differ.
+    dist.barrier(group=groups.cpu)
+    startup = timers.now() - started
     try:
         log.debug("%d of %d prompts on this rank", len(mine), len(prompts))  # the summary has every rank's count
         report = serve_requests(
@@ -156,6 +179,7 @@ def run_job(
             total_tokens=len(prompts) * job.max_new_tokens,
         )
         report.layout, report.kernels = runtime.layout.label, runtime.kernels.label
+        report.startup_seconds = startup
     finally:
         runtime.close()
     root = dist.get_process_group_ranks(groups.cpu)[0]

@@ -149,9 +149,12 @@ def serve_requests(
     `watchdog`: told the step and phase (prefill, verify), so a peer that loses this rank names them.
     `display`: the terminal's progress line (prefill of this rank's prompts, then every rank's
     tokens out of `total_tokens`); when it draws, the periodic progress log is left out.
+    The report's `loop_seconds` is the wall time of all of it, prefill included: the time the
+    phase timers split.
     """
     note = watchdog.progress if watchdog is not None else lambda step=None, phase=None: None
     display = display if display is not None else Progress(None)
+    wall_start = timers.now()
     note(phase="prefill")
     display.phase("prefill (this rank's prompts)", len(prompts), "prompts")
     outcomes: dict[int, RequestOutcome] = {}
@@ -213,7 +216,7 @@ def serve_requests(
             )  # fmt: skip
             last_report = now
         step += 1
-    loop_seconds = time.perf_counter() - start
+    loop_seconds = timers.now() - wall_start
     for rid, a in active.items():
         outcomes[rid].tokens = a.tokens[:max_new_tokens]
         outcomes[rid].accept_lens = a.accept_lens

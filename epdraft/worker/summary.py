@@ -20,11 +20,21 @@ PHASES = (
     ("transfer", "transfer (target waiting on draft ranks)"),
     ("sync", "step sync"),
     ("draft_context", "draft context (fc + K/V)"),
-    ("draft_attention", "draft attention, norms, lm_head"),
+    ("draft_attention", "draft step outside its MoE (attention, norms, lm_head)"),
     ("moe_dispatch", "draft MoE dispatch"),
     ("moe_experts", "draft MoE router + experts + shared"),
     ("moe_combine", "draft MoE combine"),
+    ("draft_step_graph", "draft step (graph)"),
+    ("other", "other (host loop; a rank done before the slowest)"),
 )
+"""Rows of the time split, in order: disjoint (`PhaseTimers` books a nested phase to itself only);
+"other" is the run's wall time (the slowest rank's) less the rank's phases, so the rows of every
+rank, and their mean over ranks, sum to the run's wall time."""
+
+DRAFT_RANK_PHASES = ("sync", "draft_context", "draft_attention", "moe_dispatch", "moe_experts", "moe_combine",
+                     "draft_step_graph")  # fmt: skip
+"""The disaggregated draft ranks' rows: their time is inside the target's "transfer", so they are
+shown under it and left out of the sum."""
 
 
 class RequestOutcome(msgspec.Struct, kw_only=True):
@@ -52,7 +62,10 @@ class RankReport(msgspec.Struct, kw_only=True):
 
     layout: the MoeLayout label of the draft this rank ran or was served by ("" on a rank that
     knows none: a disaggregated target rank, until the draft ranks' label is folded in);
-    kernels: the StepKernels label of that draft, the same way.
+    kernels: the StepKernels label of that draft, the same way. loop_seconds: the serving wall
+    time (prefill through the last step); phases: exclusive seconds per `PhaseTimers` name inside
+    it; startup_seconds: loading the models and building the runtime, before it (not in the
+    throughput). draft_rank_phases: a disaggregated target rank's paired draft ranks' mean phases.
     """
 
     rank: int
@@ -62,6 +75,8 @@ class RankReport(msgspec.Struct, kw_only=True):
     requests: list[RequestOutcome]
     layout: str = ""
     kernels: str = ""
+    startup_seconds: float = 0.0
+    draft_rank_phases: dict[str, float] = {}
 
 
 class Generation(msgspec.Struct, kw_only=True):
@@ -98,6 +113,11 @@ class RunSummary(msgspec.Struct, kw_only=True):
     `lossless` is about the greedy requests only (`lossless_requests` compared); the
     `sampled_requests` served are exact in distribution, not compared token by token.
     `per_sampling`: one row per sampling setting, when any request sampled (else empty).
+    `seconds`: the slowest rank's serving wall time (prefill through the last step), which the
+    throughput divides by; `startup_seconds`: the slowest rank's start-up before it (models loaded,
+    runtime built), not in the throughput. `phase_seconds`: one value per `PHASES` row, each the
+    mean over ranks, "other" included, so they sum to `seconds`.
+    `draft_rank_seconds`: disaggregated only, the draft ranks' phases (inside "transfer").
     """
 
     config: str
@@ -117,6 +137,8 @@ class RunSummary(msgspec.Struct, kw_only=True):
     seconds: float
     tokens_per_s: float
     phase_seconds: dict[str, float]
+    startup_seconds: float = 0.0
+    draft_rank_seconds: dict[str, float] = {}
     lossless: bool | None
     first_mismatch: str | None
     lossless_requests: int = 0
@@ -125,21 +147,15 @@ class RunSummary(msgspec.Struct, kw_only=True):
     shown: list[Generation] = []
 
 
-def derive_phases(raw: dict[str, float]) -> dict[str, float]:
-    """Split the timers' totals into disjoint phases (MoE experts = MoE total - dispatch - combine)."""
-    moe = raw.get("moe_total", 0.0)
-    dispatch, combine = raw.get("moe_dispatch", 0.0), raw.get("moe_combine", 0.0)
-    return {
-        "prefill": raw.get("prefill", 0.0),
-        "verify": raw.get("verify", 0.0),
-        "transfer": raw.get("transfer", 0.0),
-        "sync": raw.get("sync", 0.0),
-        "draft_context": raw.get("draft_context", 0.0),
-        "draft_attention": raw.get("draft_propose", 0.0) - moe,
-        "moe_dispatch": dispatch,
-        "moe_experts": moe - dispatch - combine,
-        "moe_combine": combine,
-    }
+def phase_rows(raw: dict[str, float], wall: float) -> dict[str, float]:
+    """One rank's `PHASES` rows from its timers' exclusive totals and the run's wall time ("other"
+    = wall - the phases). A timer name outside `PHASES` is a bug, not a row to drop quietly."""
+    known = {k for k, _ in PHASES}
+    unknown = sorted(set(raw) - known)
+    assert not unknown, f"phase timers {unknown} have no summary row"
+    rows = {k: raw.get(k, 0.0) for k, _ in PHASES if k != "other"}
+    rows["other"] = wall - sum(rows.values())
+    return rows
 
 
 def sampling_label(params: SamplingParams) -> str:
@@ -195,7 +211,7 @@ def summarize(reports: list[RankReport], *, config: str, parallel_config: dict |
     for r in reports:
         acc = [a for o in r.requests if o.error is None for a in o.accept_lens]
         per_rank[r.rank] = 1 + sum(acc) / len(acc) if acc else 0.0
-    phases = [derive_phases(r.phases) for r in reports]
+    phases = [phase_rows(r.phases, seconds) for r in reports]
     lossless, mismatch = None, None
     checked = [o for o in ok if o.reference_tokens is not None]
     if checked:
@@ -226,6 +242,8 @@ def summarize(reports: list[RankReport], *, config: str, parallel_config: dict |
         seconds=seconds,
         tokens_per_s=generated / seconds if seconds > 0 else 0.0,
         phase_seconds={k: sum(p[k] for p in phases) / len(phases) for k, _ in PHASES},
+        startup_seconds=max(r.startup_seconds for r in reports),
+        draft_rank_seconds=next((r.draft_rank_phases for r in reports if r.draft_rank_phases), {}),
         lossless=lossless,
         first_mismatch=mismatch,
         lossless_requests=len(checked),
@@ -290,6 +308,25 @@ def _lossless_line(s: RunSummary) -> str:
     return f"lossless: {verdict}; {sampled}"
 
 
+def _phase_lines(s: RunSummary) -> list[str]:
+    """The time split: disjoint rows that sum to the run's wall time, then the draft ranks' rows
+    of a disaggregated run (inside its transfer row, not summed)."""
+    total = sum(s.phase_seconds.values())
+    lines = [f"time split (mean over ranks; the rows sum to {total:.3f} s):"]
+    for key, label in PHASES:
+        sec = s.phase_seconds[key]
+        if sec == 0.0:  # a phase this run does not have (transfer when colocated, graph or eager rows)
+            continue
+        lines.append(f"  {label:<56}{sec:>9.3f} s {100 * sec / (total or 1.0):>6.1f} %")
+    if s.draft_rank_seconds:
+        lines.append("  of which the draft ranks (mean, inside the transfer row):")
+        for key, label in PHASES:
+            sec = s.draft_rank_seconds.get(key, 0.0)
+            if sec:
+                lines.append(f"    {label:<54}{sec:>9.3f} s")
+    return lines
+
+
 def format_summary(s: RunSummary) -> str:
     """The human-readable summary."""
     lines = [
@@ -306,15 +343,11 @@ def format_summary(s: RunSummary) -> str:
         "  per rank: " + ", ".join(f"{r}: {a:.2f}" for r, a in sorted(s.accept_length_per_rank.items())),
         *_sampling_lines(s),
         f"throughput: {s.generated_tokens} tokens in {s.seconds:.2f} s = {s.tokens_per_s:.1f} tok/s "
-        f"({s.steps} global steps)",
-        "time split (mean over ranks):",
+        f"({s.steps} global steps; prefill through the last step)",
+        f"start-up: {s.startup_seconds:.2f} s (models loaded, runtime built, CUDA graphs captured when on; "
+        "not in the throughput)",
+        *_phase_lines(s),
     ]
-    total = sum(s.phase_seconds.values()) or 1.0
-    for key, label in PHASES:
-        sec = s.phase_seconds[key]
-        if sec == 0.0:  # a phase this placement does not have (transfer when colocated)
-            continue
-        lines.append(f"  {label:<38}{sec:>9.3f} s {100 * sec / total:>6.1f} %")
     lines.append(_lossless_line(s))
     for g in s.shown:
         if g.error is not None:

@@ -16,6 +16,7 @@ from epdraft.config.parallel import (
     SHIPPED_CONFIGS,
     ParallelConfig,
     apply_overrides,
+    check_standalone_target,
     load_parallel_config,
     parallel_config_from_dict,
     resolve_config_path,
@@ -69,6 +70,17 @@ def test_every_shipped_config_validates(path):
     assert pc.draft.attn_dp == pc.draft_world_size
     assert pc.target.tp * pc.target.dp == pc.target_world_size
     assert pc.draft.attn_dp % (pc.draft.moe_ep * pc.draft.moe_tp) == 0
+    check_standalone_target(pc, source=path.name)  # configs/ hold only what the runner runs
+
+
+def test_a_sharded_target_is_refused_for_the_runner_naming_the_key_and_file():
+    pc = parallel_config_from_dict({**BASE, "target": {"tp": 2, "dp": 2}})
+    with pytest.raises(ConfigError) as e:
+        check_standalone_target(pc, source="deploy.toml")
+    assert str(e.value) == ("deploy.toml: target.tp = 2: the standalone runner loads the whole HF target on every "
+                            "target rank (a tensor-parallel target is not implemented); set target.tp = 1 and "
+                            "target.dp = 4")  # fmt: skip
+    check_standalone_target(parallel_config_from_dict(BASE), source="deploy.toml")
 
 
 def test_disaggregated_config_places_draft_on_node_1():

@@ -54,6 +54,21 @@ def test_run_is_lossless_and_accepts(case, tmp_path):
     assert summary["requests"] == 5 and not summary["failed_requests"]
     assert summary["accept_length"] >= 2.0, proc.stdout
     assert "lossless: OK" in proc.stdout
+    check_time_split(summary, proc.stdout)
+
+
+def check_time_split(summary: dict, stdout: str) -> None:
+    """The phase rows are disjoint and sum, with "other", to the run's wall time (within 5 %);
+    "other" (time outside every phase) is no negative remainder hiding double-booked phases, and
+    small: the phases cover the run. Start-up is reported apart from the throughput's wall."""
+    phases, wall = summary["phase_seconds"], summary["seconds"]
+    assert all(v >= 0.0 for v in phases.values()), phases
+    assert abs(sum(phases.values()) - wall) <= 0.05 * wall, (phases, wall)
+    assert 0.0 <= phases["other"] <= 0.25 * wall, (phases, wall)
+    assert phases["verify"] > 0 and phases["prefill"] > 0 and phases["draft_attention"] > 0, phases
+    assert summary["tokens_per_s"] == summary["generated_tokens"] / wall
+    assert summary["startup_seconds"] > 0
+    assert f"start-up: {summary['startup_seconds']:.2f} s" in stdout
 
 
 @pytest.mark.timeout(300)

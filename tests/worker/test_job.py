@@ -95,3 +95,21 @@ def test_the_worker_refuses_sampling_flags_out_of_range():
     assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.seed, seed) == (0.7, 3, 1.0, None, 4)
     with pytest.raises(ConfigError, match=r"--top-p/--seed: top_p = 1.5: expected `float` <= 1.0"):
         job_sampling(parse_args([*base, "--top-p", "1.5"]))
+
+
+def test_every_rank_sizes_its_pool_for_the_busiest_rank():
+    """Uneven shares (3 prompts and 1): both ranks size max_requests 3, so both hold the CUDA-graph
+    bucket the busiest rank's steps need; the context fits the longest prompt of any share."""
+    from epdraft.config.parallel import load_parallel_config
+    from epdraft.config.sampling import SamplingParams
+    from epdraft.target.prompts import Prompt
+    from epdraft.worker.job import RunJob, pool_limits
+
+    pc = load_parallel_config(REPO / "configs" / "local-cpu-2.toml")
+    job = RunJob(draft="d", target="t", prompts="p", max_new_tokens=10)
+    prompts = [Prompt(line=i + 1, ids=[1] * n, sampling=SamplingParams()) for i, n in enumerate((5, 7, 3, 40))]
+    assert pool_limits(pc, job, prompts, [[0, 1, 2], [3]], 8) == {"max_requests": 3, "max_context": 40 + 10 + 8}
+    assert pool_limits(pc, job, prompts, [[], []], 8) == {"max_requests": 1, "max_context": 0 + 10 + 8}
+    fixed = load_parallel_config(REPO / "configs" / "local-cpu-2.toml", ["draft.max_requests=16",
+                                                                          "draft.max_context=99"])
+    assert pool_limits(fixed, job, prompts, [[0], [1]], 8) == {"max_requests": 16, "max_context": 99}

@@ -7,7 +7,9 @@ from epdraft.worker.summary import RankReport, RequestOutcome, format_summary, g
 
 
 def _report(rank, requests, seconds=2.0, layout="alltoall"):
-    phases = {"verify": 0.5, "sync": 0.1, "draft_propose": 0.9, "moe_total": 0.6, "moe_dispatch": 0.2, "moe_combine": 0.1}
+    # exclusive seconds, as PhaseTimers books them
+    phases = {"verify": 0.5, "sync": 0.1, "draft_attention": 0.3, "moe_experts": 0.3, "moe_dispatch": 0.2,
+              "moe_combine": 0.1}
     return RankReport(rank=rank, steps=4, loop_seconds=seconds, phases=phases, requests=requests, layout=layout)
 
 
@@ -19,8 +21,9 @@ def test_summary_counts_the_bonus_and_splits_phases():
     assert s.accept_length_per_rank == {0: 3.0, 1: 0.0}
     assert s.generated_tokens == 6 and s.tokens_per_s == 2.0  # the slowest rank's loop time
     assert s.failed_requests == {1: "request 1: empty prompt"}
-    assert abs(s.phase_seconds["draft_attention"] - 0.3) < 1e-9  # propose - MoE total
-    assert abs(s.phase_seconds["moe_experts"] - 0.3) < 1e-9  # MoE total - dispatch - combine
+    assert abs(s.phase_seconds["draft_attention"] - 0.3) < 1e-9
+    assert abs(s.phase_seconds["other"] - 1.5) < 1e-9  # the run's 3.0 s wall less each rank's 1.5 s of phases
+    assert abs(sum(s.phase_seconds.values()) - s.seconds) < 1e-9
     assert s.lossless is True
     assert "lossless: OK" in format_summary(s)
 
@@ -118,3 +121,25 @@ def test_lossless_line_when_nothing_greedy_was_compared():
     assert "lossless: no greedy request to check; 1 sampled request is exact in distribution" in only
     both = format_summary(summarize([_report(0, [sampled, unchecked])], config="c"))
     assert "lossless: not checked for the 1 greedy request; 1 sampled request is exact" in both
+
+
+def test_time_split_prints_rows_that_sum_to_the_wall_and_the_start_up_apart():
+    report = _report(0, [RequestOutcome(request_id=0, rank=0, tokens=[1, 2], accept_lens=[1])], seconds=2.0)
+    report.startup_seconds = 7.25
+    text = format_summary(summarize([report], config="c"))
+    assert "start-up: 7.25 s (models loaded, runtime built, CUDA graphs captured when on; not in the throughput)" \
+        in text
+    assert "tokens in 2.00 s" in text
+    assert "the rows sum to 2.000 s" in text
+    assert "other (host loop; a rank done before the slowest)" in text and "0.500 s" in text
+
+
+def test_disaggregated_draft_rank_phases_are_shown_inside_transfer_and_not_summed():
+    report = RankReport(rank=0, steps=3, loop_seconds=2.0, phases={"prefill": 0.2, "verify": 0.5, "transfer": 1.2},
+                        requests=[], draft_rank_phases={"draft_attention": 0.7, "moe_dispatch": 0.3})  # fmt: skip
+    s = summarize([report], config="c")
+    assert abs(sum(s.phase_seconds.values()) - 2.0) < 1e-9 and abs(s.phase_seconds["other"] - 0.1) < 1e-9
+    assert s.draft_rank_seconds == {"draft_attention": 0.7, "moe_dispatch": 0.3}
+    text = format_summary(s)
+    assert "of which the draft ranks (mean, inside the transfer row):" in text
+    assert text.index("draft MoE dispatch") > text.index("of which the draft ranks")
