@@ -19,7 +19,7 @@ from torch import nn
 
 from epdraft.dispatch import Dispatcher
 from epdraft.errors import ConfigError
-from epdraft.kernels.sample.markov_argmax import markov_argmax
+from epdraft.kernels.sample import markov_argmax as markov_argmax_launch
 from epdraft.layers.step_kernels import StepKernels
 from epdraft.models.dflash import DFlashDraft, SampledReadout, TargetHeads
 from epdraft.sampling import propose_tokens
@@ -44,7 +44,8 @@ class MarkovHead(nn.Module):
     """`markov_w1` = Embedding [V, r] of the previous token, `markov_w2` = Linear r -> V (no bias);
     the gated head adds `gate_proj` Linear(H + r -> r), the rnn head `joint_proj` Linear(2r + H -> 3r).
     `fused_readout` (`StepKernels.sampling` is "triton"): sampled drafts are drawn in one launch per
-    position (`kernels.sample.propose`), greedy ones by two (`kernels.sample.markov_argmax`)."""
+    position (`kernels.sample.propose`), greedy ones by two up to `markov_argmax.MAX_ROWS` rows
+    (`kernels.sample.markov_argmax`)."""
 
     def __init__(
         self, kind: str, vocab_size: int, rank: int, hidden_size: int, *, dtype, device, fused_readout: bool = False
@@ -72,7 +73,7 @@ class MarkovHead(nn.Module):
         their processed distribution, which is then q of that position given the drafts before it."""
         N, k = base_NkV.shape[:2]
         prev = anchors_N.to(base_NkV.device)
-        greedy_launch = sampling is None and self.fused_readout
+        greedy_launch = sampling is None and self.fused_readout and N <= markov_argmax_launch.MAX_ROWS
         w2 = self.markov_w2.weight if greedy_launch else self.markov_w2.weight.float()
         state = base_NkV.new_zeros(N, self.markov_w1.embedding_dim, dtype=torch.float32)
         drafts, probs = [], []
@@ -85,7 +86,7 @@ class MarkovHead(nn.Module):
             else:
                 latent = e
             if greedy_launch:  # the logits are never materialized
-                prev = markov_argmax(base_NkV[:, i], latent, w2)
+                prev = markov_argmax_launch.markov_argmax(base_NkV[:, i], latent, w2)
             elif sampling is None:
                 prev = (base_NkV[:, i].float() + latent @ w2.T).argmax(dim=-1)
             else:

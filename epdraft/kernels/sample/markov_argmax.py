@@ -19,6 +19,11 @@ from epdraft.kernels import launch
 from epdraft.kernels.launch import next_pow2
 
 BLOCK_V = 32  # tokens per program: one 32 x 256 weight block in registers, ~4000 programs at V = 129280
+# Rows up to which a Markov head takes this launch: its fp32 FMAs run all rows against each weight
+# block, so past a few rows cuBLAS's GEMM on an fp32 copy wins. V4.1-Flash's step on an H100
+# (docs/performance.md): 2.555 -> 2.237 ms at 1 request, 5.152 -> 4.890 at 8,
+# but 8.588 -> 9.098 at 32 and 10.738 -> 12.116 at 64.
+MAX_ROWS = 16
 _MERGE_BLOCK = 1024
 
 
