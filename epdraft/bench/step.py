@@ -9,11 +9,13 @@ dependent launch off (`epdraft.kernels.launch`: on by default on sm_90+); `sampl
 the sampled readout with every request at `--temperature` (`--top-k`, `--top-p`): what sampling
 adds to a step, timed alternately with the greedy graph (`sampled/graph` is over that greedy
 time, not the `graph` column's). The floor is max(bytes / copy bandwidth, FLOPs / 700 TFLOP/s)
-counted from the shapes (the copy bandwidth measured on this kind of GPU, `bench.ceilings`): the draft's non-expert weights, the experts the step's routing
-picked (counted in one eager step: random weights route unevenly), the lm_head, and the context K/V read. `kernels` is the eager pooled step's
-CUDA kernel count and `busy ms` their summed device time (torch profiler, launched without PDL:
-with it a kernel's time would include its wait for the kernel before): a graph step longer than
-`busy` spends the difference between launches; `--profile K` prints its K costliest kernels. Prints a table and one JSON line per point (`--json FILE`
+counted from the shapes (the copy bandwidth measured on this kind of GPU, `bench.ceilings`): the
+draft's non-expert weights, the experts the step's routing picked (counted in one eager step:
+random weights route unevenly), the lm_head, and the context K/V read. `kernels` is the eager
+pooled step's CUDA kernel count and `busy ms` their summed device time (torch profiler, launched
+without PDL: with it a kernel's time would include its wait for the kernel before): a graph step
+longer than `busy` spends the difference between launches; `--profile K` prints its K costliest
+kernels. Prints a table and one JSON line per point (`--json FILE`
 appends them); `--plot FILE.png` draws graph step time and floor against N (needs matplotlib:
 `pip install 'epdraft[plot]'`), and `--from-json FILE --plot OUT.png` draws it from a saved
 `--json` file without running anything (no GPU needed: plot on a machine that has matplotlib).

@@ -30,8 +30,8 @@ def test_v41_flash_floor_reads_the_window_only():
     # N = 1: 5 rows x top-3 touch E (1 - (1 - 1/E)^15) of the 128 experts (3 x H x 2304 bf16 each)
     touched = 128 * (1 - (1 - 1 / 128) ** 15)
     experts = L * touched * 3 * H * 2304 * 2
-    non_expert = sum(p.numel() * 2 if p.dtype == torch.bfloat16 else p.numel() * 4
-                     for n, p in draft.named_parameters() if ".experts." not in n and not n.startswith("main_proj."))  # fmt: skip
+    non_expert = sum(p.numel() * p.element_size() for n, p in draft.named_parameters()
+                     if ".experts." not in n and not n.startswith("main_proj."))  # fmt: skip
     lm_head = spec.vocab_size * H * 2
     floor_s, nbytes, _ = floor_seconds(draft, heads, 1, 1024, RATE)
     assert abs(nbytes - (experts + non_expert + lm_head + L * W * D * 2)) <= 1

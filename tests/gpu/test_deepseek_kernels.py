@@ -96,7 +96,8 @@ def test_a_fused_hyper_connection_equals_the_torch_one(single_pass):
 @pytest.mark.parametrize("T,H", [(1, 4096), (37, 1280), (0, 512)])
 def test_deepseek_norm_scales_in_fp32_and_rounds_once(dtype, T, H):
     torch.manual_seed(T + H)
-    plain, fused = DeepseekRMSNorm(H, 1e-6, dtype=dtype, device=DEVICE), DeepseekRMSNorm(H, 1e-6, fused=True, dtype=dtype, device=DEVICE)
+    plain = DeepseekRMSNorm(H, 1e-6, dtype=dtype, device=DEVICE)
+    fused = DeepseekRMSNorm(H, 1e-6, fused=True, dtype=dtype, device=DEVICE)
     torch.nn.init.normal_(plain.weight)
     fused.load_state_dict(plain.state_dict())
     x = torch.randn(T, H, device=DEVICE).to(dtype)
@@ -134,7 +135,8 @@ def test_sink_attention_equals_the_torch_chain(dtype, N, B, h, D, R, S):
 @pytest.mark.parametrize("q_norm", [False, True])
 def test_a_fused_deepseek_attention_equals_the_torch_one(q_norm):
     torch.manual_seed(1)
-    kw = dict(rope_theta=10000.0, rms_norm_eps=1e-6, q_norm=q_norm, kv_fake_quant=True, dtype=torch.bfloat16, device=DEVICE)
+    kw = dict(rope_theta=10000.0, rms_norm_eps=1e-6, q_norm=q_norm, kv_fake_quant=True, dtype=torch.bfloat16,
+              device=DEVICE)  # fmt: skip
     plain = DeepseekDSparkAttention(256, 8, 64, 128, 64, 2, 32, **kw)
     fused = DeepseekDSparkAttention(256, 8, 64, 128, 64, 2, 32, fused_norms=True, fused_attention=True, **kw)
     for p in plain.parameters():

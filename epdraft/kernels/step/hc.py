@@ -87,7 +87,9 @@ def hc_collapse(x_NcH: torch.Tensor, pre_Nc: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def hc_write_back(y_NH: torch.Tensor, x_NcH: torch.Tensor, post_Nc: torch.Tensor, comb_Ncc: torch.Tensor) -> torch.Tensor:
+def hc_write_back(
+    y_NH: torch.Tensor, x_NcH: torch.Tensor, post_Nc: torch.Tensor, comb_Ncc: torch.Tensor
+) -> torch.Tensor:
     """New streams [N, c, H] in x's dtype: post_k y + sum_j comb[j, k] x_j in fp32 (`write_back`)."""
     launch.refuse_autograd("hc_write_back", y_NH, x_NcH, post_Nc, comb_Ncc)
     from epdraft.kernels.step._hc_triton import hc_write_back_kernel
