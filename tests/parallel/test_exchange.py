@@ -1,0 +1,57 @@
+"""StoreExchange on 3 gloo ranks: every exchange gives every rank every rank's values (against the
+values computed by hand), old values leave the store, exchanges never mix, a missing rank times out."""
+
+from __future__ import annotations
+
+import datetime
+import random
+
+import pytest
+import torch.distributed as dist
+
+from tests.harness import run_ranks
+
+
+def _exchanges(rank: int, world: int) -> dict:
+    from epdraft.parallel.exchange import StoreExchange
+
+    group = dist.new_group([0, 2])  # a subset, its ranks not 0..n-1 in order of the world
+    everyone = StoreExchange.over(dist.group.WORLD, width=3)
+    other = StoreExchange.over(dist.group.WORLD, width=3)  # same ranks: must not read `everyone`'s keys
+    out: dict = {"mismatches": []}
+    for n in range(50):
+        values = [(n, r, random.Random(n * 7 + r).randrange(-(2**62), 2**62)) for r in range(world)]
+        got = everyone.all_gather(values[rank])
+        if got != values:
+            out["mismatches"].append((n, got))
+        got = other.all_gather((-n, rank, 0))
+        if got != [(-n, r, 0) for r in range(world)]:
+            out["mismatches"].append(("other", n, got))
+    store = dist.distributed_c10d._get_default_store()
+    out["kept"] = [n for n in range(50) if store.check([everyone._key(n, rank)])]
+    if rank in (0, 2):
+        pair = StoreExchange.over(group, width=1)
+        out["pair"] = pair.all_gather((rank * 10,))
+        short = store.clone()
+        short.set_timeout(datetime.timedelta(seconds=1))
+        lonely = StoreExchange(short, [0, 2], rank=rank, width=1)
+        if rank == 0:  # rank 2 never joins this one
+            try:
+                lonely.all_gather((1,))
+                out["timeout"] = None
+            except RuntimeError as e:
+                out["timeout"] = str(e)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_store_exchange_gathers_every_rank_in_order_and_cleans_up():
+    results = run_ranks(3, _exchanges, timeout_s=80)
+    for rank, out in enumerate(results):
+        assert out["mismatches"] == [], (rank, out["mismatches"][:3])
+        # Only the last exchange's value is left: the store does not grow with the steps.
+        assert out["kept"] == [49], (rank, out["kept"])
+    assert results[0]["pair"] == results[2]["pair"] == [(0,), (20,)]
+    assert "pair" not in results[1]
+    assert results[0]["timeout"] is not None and "/2" in results[0]["timeout"], results[0]["timeout"]
