@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             watchdog = Watchdog.start_for(
                 dist.group.WORLD,
                 hang_timeout_s=pc.cluster.hang_timeout_s,
-                on_stall=lambda reason: _exit_stalled(args.failure_dir, reason),
+                on_stall=lambda reason: _exit_stalled(args.failure_dir, reason, watchdog),
                 stacks_on_usr1=True,
                 on_progress=(lambda step, phase: write_progress(args.failure_dir, dist.get_rank(), step, phase))
                 if args.failure_dir else None,
@@ -226,10 +226,12 @@ def _fail(failure_dir: str | None, code: int, reason: str) -> int:
     return code
 
 
-def _exit_stalled(failure_dir: str | None, reason: str) -> None:
-    """The watchdog named a stalled peer: exit now. The main thread is stuck in a collective with
-    that peer until `cluster.timeout_s`, so the process ends from the watchdog's thread."""
+def _exit_stalled(failure_dir: str | None, reason: str, watchdog: Watchdog) -> None:
+    """The watchdog named a stalled or stuck peer: exit now. The main thread is stuck in a collective
+    with that peer until `cluster.timeout_s`, so the process ends from the watchdog's thread, once
+    its peers have the verdict too (they are stopped with it, and would otherwise name nobody)."""
     _fail(failure_dir, 1, reason)
+    watchdog.await_verdicts()
     logging.shutdown()
     os._exit(1)
 
