@@ -173,7 +173,6 @@ class Watchdog:
         return wd
 
     def start(self) -> None:
-        self._started = time.monotonic()
         self._beat()
         self._thread.start()
 
@@ -287,9 +286,12 @@ class Watchdog:
         with self._view_lock:
             for r, peer in self._peers.items():
                 beat = beats.get(r)
-                if beat is not None and (peer.beat is None or beat.count != peer.beat.count):
+                moved = beat is not None and (peer.beat is None or beat.count != peer.beat.count)
+                if moved:
                     peer.beat, peer.moved_at = beat, now
                 b = peer.beat
+                if peer.stalled and moved and (b.waiting or b.still_s <= self.hang_timeout_s):
+                    peer.stalled = False  # it beats and moves again: a stopped rank resumed, a stuck thread went on
                 if b is not None and b.verdict and self.rank not in b.blamed and adopted is None:
                     adopted = (b.verdict, b.blamed)
                 if peer.stalled or (b is not None and b.state != RUNNING):
@@ -300,9 +302,16 @@ class Watchdog:
                 elif b is not None and waited_s > self.hang_timeout_s and not b.waiting and b.still_s > self.hang_timeout_s:
                     peer.stalled = True
                     stuck.append((r, b))
+            if self._verdict and not any(self._peers[r].stalled for r in self._blamed if r in self._peers):
+                self._verdict, self._blamed = "", ()  # every rank it named went on: peers need not take it up
+            if adopted is not None and (self._verdict or stalled or stuck):
+                adopted = None
+            for r in adopted[1] if adopted is not None else ():
+                if r in self._peers:
+                    self._peers[r].stalled = True
         if stalled or stuck:
             self._report_stall(stalled, stuck)
-        elif adopted is not None and not self._verdict:
+        elif adopted is not None:
             self._announce(*adopted)
 
     def _report_stall(self, stalled: list[tuple[int, Beat | None, float]], stuck: list[tuple[int, Beat]]) -> None:

@@ -70,7 +70,8 @@ class StepCoordinator:
             StepMismatch: on every rank, when the ranks passed different step ids (names each
                 rank and its step id).
             ParallelError: local_rows < 0 or len(extras) != num_extras on this rank (a caller bug;
-                raised before the collective, so the other ranks fail at the group's timeout).
+                raised before the exchange, so the other ranks fail at the store's or the group's
+                timeout, or are told by the watchdog).
         """
         if local_rows < 0:
             raise ParallelError(f"rank {self.rank}: step {step} local_rows = {local_rows} must be >= 0")

@@ -6,8 +6,9 @@ from rank 0, checks every group with an all-reduce and tears the process group d
 
 A rank that dies of a signal prints every thread's Python stack; `kill -USR1 PID` prints them from
 a rank that hangs and lets it run on. Every rank runs a `Watchdog` from init to teardown: a peer
-without a heartbeat for `cluster.hang_timeout_s` makes this rank exit 1 naming it, and a collective
-that fails because a peer died becomes a ParallelError naming the peer, the step and the phase.
+without a heartbeat for `cluster.hang_timeout_s`, or whose main thread is stuck that long while this
+rank waits on it in a collective, makes this rank exit 1 naming it, and a collective that fails
+because a peer died becomes a ParallelError naming the peer, the step and the phase.
 
 A failing rank exits 2 when it refused its input (config, draft, target, prompts) and 1 for a
 fault; with `--failure-dir` (the launcher's) it first writes its one-line reason there, so the
