@@ -9,6 +9,7 @@ its median over the timed syncs; the table shows the slowest rank's, and its rat
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -26,8 +27,11 @@ NUM_EXTRAS = 2  # what the standalone runner passes per step
 
 
 class Result(msgspec.Struct, frozen=True, kw_only=True):
-    """One method at one world size: what the table prints and --json writes."""
+    """One method at one world size: what the table prints and --json writes (one JSON line each)."""
 
+    bench: str = "sync"
+    torch: str
+    cpus: int  # usable cores of this host: W ranks share them
     method: str
     ranks: int
     iters: int
@@ -40,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma list of: {', '.join(METHODS)}")
     parser.add_argument("--iters", type=int, default=300, help="timed syncs per method and size (default 300)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed syncs first (default 20)")
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON lines")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before one size's ranks are killed")
 
 
@@ -58,15 +62,15 @@ def main(args: argparse.Namespace) -> int:
         for m in methods:
             medians[m, world] = max(r[m] for r in per_rank)
     results = [
-        Result(method=m, ranks=w, iters=args.iters, median_ms=medians[m, w],
-               ratio_to_2=medians[m, w] / medians[m, 2] if (m, 2) in medians else None)  # fmt: skip
+        Result(torch=str(torch.__version__), cpus=len(os.sched_getaffinity(0)), method=m, ranks=w, iters=args.iters,
+               median_ms=medians[m, w], ratio_to_2=medians[m, w] / medians[m, 2] if (m, 2) in medians else None)
         for m in methods
         for w in args.ranks
     ]
     _print_table(results)
     if args.json:
         with open(args.json, "wb") as f:
-            f.write(msgspec.json.format(msgspec.json.encode(results), indent=1))
+            f.writelines(msgspec.json.encode(r) + b"\n" for r in results)
     return 0
 
 
