@@ -148,6 +148,7 @@ class Watchdog:
         self._verdict, self._blamed = "", ()
         self._wake = threading.Event()
         self._store_down = False  # the last store request failed
+        self._store_down_at = 0.0  # when the store stopped answering (monotonic)
         self._started = time.monotonic()
         self._prefix = f"epdraft/watchdog/{name}.{next(_GENERATION)}/"
         self._host = socket.gethostname()
@@ -254,7 +255,8 @@ class Watchdog:
                             self._verdict, self._blamed)  # fmt: skip
                 self._store.set(self._key(self.rank), msgspec.msgpack.encode(beat))
         except RuntimeError as e:  # the store's host is gone: the collectives will say so
-            self._store_broken = self._store_down = True
+            self._lose_store()
+            self._store_broken = True
             log.warning("watchdog: the rendezvous store stopped answering (%s); heartbeats stop", e)
 
     def _read(self) -> dict[int, Beat]:
@@ -277,7 +279,7 @@ class Watchdog:
         try:
             beats = self._read()
         except RuntimeError:
-            self._store_down = True
+            self._lose_store()
             return  # a slow store: the next round reads again
         self._store_down = False
         now = time.monotonic()
@@ -304,8 +306,10 @@ class Watchdog:
                     stuck.append((r, b))
             if self._verdict and not any(self._peers[r].stalled for r in self._blamed if r in self._peers):
                 self._verdict, self._blamed = "", ()  # every rank it named went on: peers need not take it up
-            if adopted is not None and (self._verdict or stalled or stuck):
-                adopted = None
+            if adopted is not None and (self._verdict or stalled or stuck or not all(
+                self._silent_or_still(self._peers[r], now) for r in adopted[1] if r in self._peers
+            )):
+                adopted = None  # this rank named someone itself, or sees a named rank beat and move
             for r in adopted[1] if adopted is not None else ():
                 if r in self._peers:
                     self._peers[r].stalled = True
@@ -313,6 +317,16 @@ class Watchdog:
             self._report_stall(stalled, stuck)
         elif adopted is not None:
             self._announce(*adopted)
+
+    def _lose_store(self) -> None:
+        if not self._store_down:
+            self._store_down, self._store_down_at = True, time.monotonic()
+
+    def _silent_or_still(self, peer: _Peer, now: float) -> bool:
+        """Whether this rank, too, sees `peer` silent or its main thread still for half the bound
+        (a peer's verdict is taken up then; a rank seen moving is not blamed on hearsay)."""
+        b, half = peer.beat, self.hang_timeout_s / 2
+        return b is None or now - peer.moved_at > half or (not b.waiting and b.still_s > half)
 
     def _report_stall(self, stalled: list[tuple[int, Beat | None, float]], stuck: list[tuple[int, Beat]]) -> None:
         parts = []
@@ -388,7 +402,8 @@ class Watchdog:
         try:
             fresh = self._read()
         except RuntimeError:
-            self._store_down, fresh = True, {}
+            self._lose_store()
+            fresh = {}
         now = time.monotonic()
         with self._view_lock:
             for r, b in fresh.items():
@@ -430,16 +445,23 @@ class Watchdog:
                     behind.append(f"rank {r} at {where}")
         if verdicts:
             return ParallelError(f"{verdicts[0]}; then {what} failed on {here}: {cause}")
+        if failed:
+            return ParallelError(f"{failed[0]} ({what} failed on {here}: {cause})")
         if self._store_down and not self._hosts_store:
-            # Every peer's beats stop with the store: they are not gone, its host is.
-            if hosts:
+            # Every peer's beats stop with the store: they are not gone, its host is, unless the host
+            # had ended (done) first: then the peers silent before the store went are.
+            if hosts and hosts[0][1].state == RUNNING:
                 r, b = hosts[0]
                 return ParallelError(f"lost rank {r} (it hosted the rendezvous store, which stopped answering; "
                                      f"{_last_at(b)}): {what} failed on {here}: {cause}")  # fmt: skip
-            return ParallelError(f"the rendezvous store stopped answering (no rank of this run hosts it: the "
-                                 f"launcher's agent does): {what} failed on {here}: {cause}")  # fmt: skip
-        if failed:
-            return ParallelError(f"{failed[0]} ({what} failed on {here}: {cause})")
+            early = [f"rank {r} (heartbeat gone, {_last_at(p.beat)})" for r, p in sorted(self._peers.items())
+                     if p.beat is not None and p.beat.state == RUNNING
+                     and self._store_down_at - p.moved_at > 2 * self.interval_s]  # fmt: skip
+            if early:
+                return ParallelError(f"lost {', '.join(early)}: {what} failed on {here}: {cause}")
+            host = f"rank {hosts[0][0]}, which had ended" if hosts else "the launcher's agent, no rank of this run"
+            return ParallelError(f"the rendezvous store stopped answering (hosted by {host}): {what} failed on "
+                                 f"{here}: {cause}")  # fmt: skip
         if gone or stalled:
             return ParallelError(f"lost {', '.join(gone + stalled)}: {what} failed on {here}: {cause}")
         if _COMM_FAILURE.search(str(e)):
