@@ -21,13 +21,10 @@ import torch.distributed as dist
 
 from epdraft.dispatch.plan import StepPlan
 from epdraft.errors import ParallelError, StepMismatch
-from epdraft.parallel.exchange import StoreExchange
+from epdraft.parallel.exchange import DeviceExchange, StoreExchange
 from epdraft.parallel.groups import Groups
 
 log = logging.getLogger(__name__)
-
-# torch >= 2.13 renames all_gather_into_tensor (same semantics); older releases only have the old name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class StepCoordinator:
@@ -50,7 +47,11 @@ class StepCoordinator:
         self.ranks = tuple(dist.get_process_group_ranks(group))
         self.rank = dist.get_rank()
         width = 2 + num_extras
-        self._exchange = StoreExchange.over(group, width=width) if self.device.type == "cpu" else None
+        self._exchange = (
+            StoreExchange.over(group, width=width)
+            if self.device.type == "cpu"
+            else DeviceExchange(group, device=self.device, width=width)
+        )
 
     @classmethod
     def for_groups(cls, groups: Groups, *, num_extras: int = 0) -> StepCoordinator:
@@ -79,7 +80,7 @@ class StepCoordinator:
             raise ParallelError(
                 f"rank {self.rank}: step {step} passed {len(extras)} extras, StepCoordinator expects {self.num_extras}"
             )
-        rows = self._gather([step, local_rows, *extras])
+        rows = self._exchange.all_gather([step, local_rows, *extras])
         steps = [r[0] for r in rows]
         if any(s != step for s in steps):
             by_rank = ", ".join(f"rank {rank}: {s}" for rank, s in zip(self.ranks, steps))
@@ -93,12 +94,3 @@ class StepCoordinator:
         if plan.skip:
             log.debug("step %d: every rank has 0 rows, skipping", step)
         return plan
-
-    def _gather(self, mine: list[int]) -> list[tuple[int, ...]]:
-        """Every rank's `mine`, in group order."""
-        if self._exchange is not None:
-            return self._exchange.all_gather(mine)
-        mine_W = torch.tensor(mine, dtype=torch.int64, device=self.device)
-        gathered = torch.empty(len(self.ranks) * len(mine), dtype=torch.int64, device=self.device)
-        _all_gather_single(gathered, mine_W, group=self.group)
-        return [tuple(r) for r in gathered.view(len(self.ranks), len(mine)).tolist()]

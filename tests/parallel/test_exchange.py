@@ -1,5 +1,6 @@
 """StoreExchange on 3 gloo ranks: every exchange gives every rank every rank's values (against the
-values computed by hand), old values leave the store, exchanges never mix, a missing rank times out."""
+values computed by hand), old values leave the store, exchanges never mix, a missing rank times out.
+DeviceExchange (the GPU ranks' all-gather) on the same ranks with CPU tensors."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from tests.harness import run_ranks
 
 
 def _exchanges(rank: int, world: int) -> dict:
-    from epdraft.parallel.exchange import StoreExchange
+    import torch
+
+    from epdraft.parallel.exchange import DeviceExchange, StoreExchange
 
     group = dist.new_group([0, 2])  # a subset, its ranks not 0..n-1 in order of the world
     everyone = StoreExchange.over(dist.group.WORLD, width=3)
@@ -27,6 +30,9 @@ def _exchanges(rank: int, world: int) -> dict:
         got = other.all_gather((-n, rank, 0))
         if got != [(-n, r, 0) for r in range(world)]:
             out["mismatches"].append(("other", n, got))
+    # The GPU ranks' transport (an all-gather on the group), here on gloo and CPU tensors.
+    device = DeviceExchange(dist.group.WORLD, device=torch.device("cpu"), width=2)
+    out["device"] = [device.all_gather((n, rank * n)) for n in range(3)]
     store = dist.distributed_c10d._get_default_store()
     out["kept"] = [n for n in range(50) if store.check([everyone._key(n, rank)])]
     if rank in (0, 2):
@@ -52,6 +58,8 @@ def test_store_exchange_gathers_every_rank_in_order_and_cleans_up():
         assert out["mismatches"] == [], (rank, out["mismatches"][:3])
         # Only the last exchange's value is left: the store does not grow with the steps.
         assert out["kept"] == [49], (rank, out["kept"])
+    for out in results:
+        assert out["device"] == [[(n, r * n) for r in range(3)] for n in range(3)], out["device"]
     assert results[0]["pair"] == results[2]["pair"] == [(0,), (20,)]
     assert "pair" not in results[1]
     assert results[0]["timeout"] is not None and "/2" in results[0]["timeout"], results[0]["timeout"]
