@@ -55,7 +55,8 @@ RUNNING, DONE, FAILED = "running", "done", "failed"
 _LOST_WAIT_BEATS = 3
 # Errors of a collective whose peer went away (gloo, NCCL, the store), when no heartbeat says who.
 _COMM_FAILURE = re.compile(
-    r"Connection (reset|closed|refused)|closed by peer|Broken pipe|[Tt]imed out|wait timeout|Failed to recv|NCCL|gloo|Socket"
+    r"Connection (reset|closed|refused)|closed by peer|Broken pipe|[Tt]imed out|wait timeout|Failed to recv"
+    r"|NCCL|gloo|Socket"
 )
 # progress() beats at once, but no more often than this (a step reports a phase per MoE layer).
 _MIN_BEAT_GAP_S = 0.02
@@ -301,8 +302,8 @@ class Watchdog:
                 if now - peer.moved_at > self.hang_timeout_s:
                     peer.stalled = True
                     stalled.append((r, b, now - peer.moved_at))
-                elif b is not None and waited_s > self.hang_timeout_s and not b.waiting and b.still_s > self.hang_timeout_s:
-                    peer.stalled = True
+                elif b is not None and min(waited_s, 0.0 if b.waiting else b.still_s) > self.hang_timeout_s:
+                    peer.stalled = True  # stuck: it sits outside any collective while this rank waits in one
                     stuck.append((r, b))
             if self._verdict and not any(self._peers[r].stalled for r in self._blamed if r in self._peers):
                 self._verdict, self._blamed = "", ()  # every rank it named went on: peers need not take it up
