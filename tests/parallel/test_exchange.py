@@ -33,6 +33,21 @@ def _exchanges(rank: int, world: int) -> dict:
     # The GPU ranks' transport (an all-gather on the group), here on gloo and CPU tensors.
     device = DeviceExchange(dist.group.WORLD, device=torch.device("cpu"), width=2)
     out["device"] = [device.all_gather((n, rank * n)) for n in range(3)]
+    # The draft's coordinator picks the store on CPU ranks, the device group's all-gather on GPU ranks.
+    import dataclasses
+    from unittest import mock
+
+    from epdraft.parallel.groups import Groups
+    from epdraft.runtime.coordinator import StepCoordinator
+
+    groups = Groups.from_process_groups(moe=dist.group.WORLD, attn_dp=dist.group.WORLD, cpu=dist.group.WORLD,
+                                        ep_size=world, tp_size=1)  # fmt: skip
+    cpu_sync = StepCoordinator.for_groups(groups, num_extras=1)
+    out["cpu_sync"] = (type(cpu_sync._exchange).__name__, cpu_sync.sync(5, rank, (rank,)).counts)
+    with mock.patch("torch.cuda.current_device", return_value=0):
+        gpu_sync = StepCoordinator.for_groups(dataclasses.replace(groups, device_type="cuda"), num_extras=1)
+    out["gpu_sync"] = (type(gpu_sync._exchange).__name__, str(gpu_sync._exchange.device),
+                       gpu_sync._exchange.group is groups.attn_dp)  # fmt: skip
     store = dist.distributed_c10d._get_default_store()
     out["kept"] = [n for n in range(50) if store.check([everyone._key(n, rank)])]
     if rank in (0, 2):
@@ -59,6 +74,8 @@ def test_store_exchange_gathers_every_rank_in_order_and_cleans_up():
         # Only the last exchange's value is left: the store does not grow with the steps.
         assert out["kept"] == [49], (rank, out["kept"])
     for out in results:
+        assert out["cpu_sync"] == ("StoreExchange", (0, 1, 2))
+        assert out["gpu_sync"] == ("DeviceExchange", "cuda:0", True)
         assert out["device"] == [[(n, r * n) for r in range(3)] for n in range(3)], out["device"]
     assert results[0]["pair"] == results[2]["pair"] == [(0,), (20,)]
     assert "pair" not in results[1]
