@@ -4,7 +4,7 @@ The draft ranks form a 3-axis mesh `(moe_dp, moe_ep, moe_tp)`, row-major, so dra
 `(dp_idx * ep + ep_rank) * tp + tp_rank` (for colocated layouts this is the global rank) and, inside
 the MoE group, rank `g = ep_rank * tp + tp_rank` (the ordering `MoeLayout` shards experts by).
 
-    groups = Groups.from_config(pc)     # the only caller of init_device_mesh / new_group
+    groups = Groups.from_config(pc)     # the only caller of new_group (one group per distinct member list)
     layout = MoeLayout.resolve(pc, draft_spec.ffn, groups)
     d = make_dispatcher(layout, groups.moe)
 
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Backend as C10dBackend
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from epdraft.config.parallel import ClusterConfig, ParallelConfig
 from epdraft.config.parallel import CUDA_A2A_BACKENDS
@@ -50,13 +50,42 @@ def resolve_backend(pc: ParallelConfig) -> tuple[str, str]:
     return device, backend
 
 
-def _group_options(backend: str, timeout: datetime.timedelta) -> C10dBackend.Options:
-    """Options carrying `cluster.timeout_s`: new groups otherwise get torch's 10-30 min default."""
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return opts
-    return C10dBackend.Options(backend, timeout)
+class _GroupMaker:
+    """Makes one process group per distinct member list (and backend), and hands it out again.
+
+    A mesh's axes and their flattenings often have the same members (at moe_dp = 1 the `moe`,
+    `moe_ep` and `attn_dp` groups are all the world): each gloo group of W ranks holds W - 1
+    sockets and a thread's worth of state per rank, so identical groups are made once, and the
+    world's own group is reused when it has the backend asked for. Group creation is collective:
+    every rank calls `slices` in the same order, for groups it is not in too.
+    """
+
+    def __init__(self, backend: str, timeout: datetime.timedelta, shared: _GroupMaker | None = None):
+        self.backend = backend
+        self.timeout = timeout
+        self.made: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = shared.made if shared is not None else {}
+        if dist.get_backend() == backend:
+            self.made.setdefault((backend, tuple(range(dist.get_world_size()))), dist.group.WORLD)
+
+    def slices(self, ranks_DET: torch.Tensor, dims: tuple[int, ...], name: str) -> dist.ProcessGroup | None:
+        """The group of this rank's slice along `dims` of the rank grid (every slice's group made
+        once, by every rank); None when this rank is not in the grid."""
+        rest = [i for i in range(ranks_DET.dim()) if i not in dims]
+        rows = ranks_DET.permute(*rest, *dims).reshape(-1, math.prod(ranks_DET.shape[i] for i in dims))
+        mine = None
+        for members in map(tuple, rows.tolist()):
+            group = self.made.get((self.backend, members))
+            if group is None:
+                opts = None
+                if self.backend == "nccl":  # NCCL takes its timeout through its options
+                    opts = dist.ProcessGroupNCCL.Options()
+                    opts._timeout = self.timeout
+                group = dist.new_group(list(members), timeout=self.timeout, backend=self.backend, pg_options=opts,
+                                       group_desc=f"epdraft_{name}")  # fmt: skip
+                self.made[self.backend, members] = group
+            if dist.get_rank() in members:
+                mine = group
+        return mine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,38 +132,26 @@ class Groups:
             )
         device_type, backend = resolve_backend(pc)
         timeout = datetime.timedelta(seconds=pc.cluster.timeout_s)
-        opts = _group_options(backend, timeout)
         d = pc.draft
-        shape = (d.moe_dp, d.moe_ep, d.moe_tp)
-        # init_device_mesh lays the mesh over ranks 0..n-1; a disaggregated draft lives on other ranks.
-        if pc.draft_ranks == tuple(range(pc.world_size)):
-            mesh = init_device_mesh(
-                device_type, shape, mesh_dim_names=MESH_AXES, backend_override={a: (backend, opts) for a in MESH_AXES}
-            )
-        else:
-            mesh = DeviceMesh(
-                device_type,
-                torch.tensor(pc.draft_ranks).view(shape),
-                mesh_dim_names=MESH_AXES,
-                backend_override=tuple((backend, opts) for _ in MESH_AXES),
-            )
-        # torch has no public flatten yet; `_flatten` is what torchtitan's ParallelDims uses too.
-        moe_mesh = mesh["moe_ep", "moe_tp"]._flatten("moe", backend_override=(backend, opts))
-        attn_dp_mesh = mesh._flatten("attn_dp", backend_override=(backend, opts))
-        cpu = None
-        if backend != "gloo":
-            cpu = dist.new_group(list(pc.draft_ranks), backend="gloo", timeout=timeout, group_desc="epdraft_cpu")
-        if mesh.get_coordinate() is None:
+        ranks_DET = torch.tensor(pc.draft_ranks).view(d.moe_dp, d.moe_ep, d.moe_tp)
+        make = _GroupMaker(backend, timeout)
+        axis_groups = [make.slices(ranks_DET, (dim,), name) for dim, name in enumerate(MESH_AXES)]
+        moe = make.slices(ranks_DET, (1, 2), "moe")
+        attn_dp = make.slices(ranks_DET, (0, 1, 2), "attn_dp")
+        # Small metadata (reports, the CPU step sync's members) must not touch the GPU stream.
+        cpu = attn_dp if backend == "gloo" else _GroupMaker("gloo", timeout, make).slices(ranks_DET, (0, 1, 2), "cpu")
+        if dist.get_rank() not in pc.draft_ranks:
             return None
+        # A mesh over the groups just made (from_group creates none), for whoever wants mesh axes.
+        mesh = DeviceMesh.from_group(axis_groups, device_type, mesh=ranks_DET, mesh_dim_names=MESH_AXES)
         _, ep_rank, tp_rank = mesh.get_coordinate()
-        attn_dp = attn_dp_mesh.get_group()
         return cls(
             mesh=mesh,
-            moe=moe_mesh.get_group(),
-            moe_ep=mesh["moe_ep"].get_group(),
-            moe_tp=mesh["moe_tp"].get_group(),
+            moe=moe,
+            moe_ep=axis_groups[1],
+            moe_tp=axis_groups[2],
             attn_dp=attn_dp,
-            cpu=cpu if cpu is not None else attn_dp,
+            cpu=cpu,
             ep_rank=ep_rank,
             ep_size=d.moe_ep,
             tp_rank=tp_rank,

@@ -31,8 +31,18 @@ def check_all_reduce(group: dist.ProcessGroup, name: str) -> None:
 
 
 def health_check(groups: Groups) -> None:
-    """Check every draft group in a fixed order (the same on every rank, so no rank waits on another)."""
+    """Check every distinct draft group once, in a fixed order (the same on every rank, so no rank
+    waits on another); a group serving several names (`Groups` makes one per membership) is
+    named by all of them."""
+    names: dict[int, list[str]] = {}
+    distinct = []
     for name in GROUP_NAMES:
         group = getattr(groups, name)
-        if group is not None:
-            check_all_reduce(group, name)
+        if group is None:
+            continue
+        if id(group) not in names:
+            names[id(group)] = []
+            distinct.append(group)
+        names[id(group)].append(name)
+    for group in distinct:
+        check_all_reduce(group, "/".join(names[id(group)]))

@@ -1,11 +1,15 @@
-"""The step coordinator: one small collective per step, so every rank learns every rank's row count
+"""The step coordinator: one small exchange per step, so every rank learns every rank's row count
 before any MoE layer runs.
 
 The plan it returns is the only thing a rank may branch a collective on (skip the step, pad
 length, buffer sizes): branching on the local row count instead is a hang, because a rank that
-skips a collective leaves its peers waiting in it. The step id travels in the same
-gather, so ranks that fell out of lockstep fail together with `StepMismatch` instead of pairing the
-wrong collectives.
+skips a collective leaves its peers waiting in it. The step id travels in the same exchange, so
+ranks that fell out of lockstep fail together with `StepMismatch` instead of pairing the wrong
+collectives.
+
+Where it runs: on GPUs, one NCCL all-gather of the int64s on the device group (no TCP round, no
+gloo thread); on CPU ranks, the rendezvous store (`StoreExchange`: three requests per rank,
+answered when the last value lands), since gloo's all-gather is a ring of 2(W-1) dependent rounds.
 """
 
 from __future__ import annotations
@@ -17,22 +21,21 @@ import torch.distributed as dist
 
 from epdraft.dispatch.plan import StepPlan
 from epdraft.errors import ParallelError, StepMismatch
+from epdraft.parallel.exchange import DeviceExchange, StoreExchange
+from epdraft.parallel.groups import Groups
 
 log = logging.getLogger(__name__)
 
-# torch >= 2.13 renames all_gather_into_tensor (same semantics); older releases only have the old name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 class StepCoordinator:
-    """Gathers `[step, rows, *extras]` from every rank of `group` in one all-gather.
+    """Gathers `[step, rows, *extras]` from every rank of `group` in one exchange.
 
     Args:
-        group: the ranks that must agree (for the draft: every rank whose MoE groups it feeds;
-            a gloo CPU group keeps the sync off the GPU stream).
+        group: the ranks that must agree (for the draft: every rank whose MoE groups it feeds).
         num_extras: how many extra ints each caller adds per step (the same on every rank, so
             every rank's contribution has the same size).
-        device: where the gathered int64 tensor lives: "cpu" for gloo, the rank's GPU for NCCL.
+        device: "cpu": the values go through the rendezvous store among `group`'s ranks
+            (`group` only names them); a CUDA device: one all-gather on `group`, an NCCL group.
     """
 
     def __init__(self, group: dist.ProcessGroup, *, num_extras: int = 0, device: torch.device | str = "cpu"):
@@ -43,6 +46,21 @@ class StepCoordinator:
         self.device = torch.device(device)
         self.ranks = tuple(dist.get_process_group_ranks(group))
         self.rank = dist.get_rank()
+        width = 2 + num_extras
+        self._exchange = (
+            StoreExchange.over(group, width=width)
+            if self.device.type == "cpu"
+            else DeviceExchange(group, device=self.device, width=width)
+        )
+
+    @classmethod
+    def for_groups(cls, groups: Groups, *, num_extras: int = 0) -> StepCoordinator:
+        """The draft's coordinator: on the device group (attn_dp, NCCL) where the ranks have GPUs,
+        through the store among the cpu group's ranks on CPU."""
+        if groups.device_type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+            return cls(groups.attn_dp, num_extras=num_extras, device=device)
+        return cls(groups.cpu, num_extras=num_extras)
 
     def sync(self, step: int, local_rows: int, extras: tuple[int, ...] = ()) -> StepPlan:
         """Agree on this step's row counts; every rank of the group must call it once per step.
@@ -53,7 +71,8 @@ class StepCoordinator:
             StepMismatch: on every rank, when the ranks passed different step ids (names each
                 rank and its step id).
             ParallelError: local_rows < 0 or len(extras) != num_extras on this rank (a caller bug;
-                raised before the collective, so the other ranks fail at the group's timeout).
+                raised before the exchange, so the other ranks fail at the store's or the group's
+                timeout, or are told by the watchdog).
         """
         if local_rows < 0:
             raise ParallelError(f"rank {self.rank}: step {step} local_rows = {local_rows} must be >= 0")
@@ -61,11 +80,7 @@ class StepCoordinator:
             raise ParallelError(
                 f"rank {self.rank}: step {step} passed {len(extras)} extras, StepCoordinator expects {self.num_extras}"
             )
-        width = 2 + self.num_extras
-        mine = torch.tensor([step, local_rows, *extras], dtype=torch.int64, device=self.device)
-        gathered = torch.empty(len(self.ranks) * width, dtype=torch.int64, device=self.device)
-        _all_gather_single(gathered, mine, group=self.group)
-        rows = [tuple(r) for r in gathered.view(len(self.ranks), width).tolist()]
+        rows = self._exchange.all_gather([step, local_rows, *extras])
         steps = [r[0] for r in rows]
         if any(s != step for s in steps):
             by_rank = ", ".join(f"rank {rank}: {s}" for rank, s in zip(self.ranks, steps))

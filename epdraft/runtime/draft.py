@@ -178,7 +178,7 @@ class DraftRuntime:
         log.log(level, "draft MoE layout: %s", layout.label)
         log_choice(kernels, level)
         draft = load_draft(draft_path, spec=spec, dtype=dtype, device=device, dispatcher=dispatcher, kernels=kernels)
-        coordinator = StepCoordinator(groups.cpu, num_extras=num_extras)
+        coordinator = StepCoordinator.for_groups(groups, num_extras=num_extras)
         owns = watchdog is None
         if watchdog is None:
             watchdog = Watchdog.start_for(groups.cpu, hang_timeout_s=hang_timeout_s, name="draft")

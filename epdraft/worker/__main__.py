@@ -6,8 +6,9 @@ from rank 0, checks every group with an all-reduce and tears the process group d
 
 A rank that dies of a signal prints every thread's Python stack; `kill -USR1 PID` prints them from
 a rank that hangs and lets it run on. Every rank runs a `Watchdog` from init to teardown: a peer
-without a heartbeat for `cluster.hang_timeout_s` makes this rank exit 1 naming it, and a collective
-that fails because a peer died becomes a ParallelError naming the peer, the step and the phase.
+without a heartbeat for `cluster.hang_timeout_s`, or whose main thread is stuck that long while this
+rank waits on it in a collective, makes this rank exit 1 naming it, and a collective that fails
+because a peer died becomes a ParallelError naming the peer, the step and the phase.
 
 A failing rank exits 2 when it refused its input (config, draft, target, prompts) and 1 for a
 fault; with `--failure-dir` (the launcher's) it first writes its one-line reason there, so the
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             watchdog = Watchdog.start_for(
                 dist.group.WORLD,
                 hang_timeout_s=pc.cluster.hang_timeout_s,
-                on_stall=lambda reason: _exit_stalled(args.failure_dir, reason),
+                on_stall=lambda reason: _exit_stalled(args.failure_dir, reason, watchdog),
                 stacks_on_usr1=True,
                 on_progress=(lambda step, phase: write_progress(args.failure_dir, dist.get_rank(), step, phase))
                 if args.failure_dir else None,
@@ -226,10 +227,12 @@ def _fail(failure_dir: str | None, code: int, reason: str) -> int:
     return code
 
 
-def _exit_stalled(failure_dir: str | None, reason: str) -> None:
-    """The watchdog named a stalled peer: exit now. The main thread is stuck in a collective with
-    that peer until `cluster.timeout_s`, so the process ends from the watchdog's thread."""
+def _exit_stalled(failure_dir: str | None, reason: str, watchdog: Watchdog) -> None:
+    """The watchdog named a stalled or stuck peer: exit now. The main thread is stuck in a collective
+    with that peer until `cluster.timeout_s`, so the process ends from the watchdog's thread, once
+    its peers have the verdict too (they are stopped with it, and would otherwise name nobody)."""
     _fail(failure_dir, 1, reason)
+    watchdog.await_verdicts()
     logging.shutdown()
     os._exit(1)
 

@@ -1,0 +1,82 @@
+"""StoreExchange on 3 gloo ranks: every exchange gives every rank every rank's values (against the
+values computed by hand), old values leave the store, exchanges never mix, a missing rank times out.
+DeviceExchange (the GPU ranks' all-gather) on the same ranks with CPU tensors."""
+
+from __future__ import annotations
+
+import datetime
+import random
+
+import pytest
+import torch.distributed as dist
+
+from tests.harness import run_ranks
+
+
+def _exchanges(rank: int, world: int) -> dict:
+    import torch
+
+    from epdraft.parallel.exchange import DeviceExchange, StoreExchange
+
+    group = dist.new_group([0, 2])  # a subset, its ranks not 0..n-1 in order of the world
+    everyone = StoreExchange.over(dist.group.WORLD, width=3)
+    other = StoreExchange.over(dist.group.WORLD, width=3)  # same ranks: must not read `everyone`'s keys
+    out: dict = {"mismatches": []}
+    for n in range(50):
+        values = [(n, r, random.Random(n * 7 + r).randrange(-(2**62), 2**62)) for r in range(world)]
+        got = everyone.all_gather(values[rank])
+        if got != values:
+            out["mismatches"].append((n, got))
+        got = other.all_gather((-n, rank, 0))
+        if got != [(-n, r, 0) for r in range(world)]:
+            out["mismatches"].append(("other", n, got))
+    # The GPU ranks' transport (an all-gather on the group), here on gloo and CPU tensors.
+    device = DeviceExchange(dist.group.WORLD, device=torch.device("cpu"), width=2)
+    out["device"] = [device.all_gather((n, rank * n)) for n in range(3)]
+    # The draft's coordinator picks the store on CPU ranks, the device group's all-gather on GPU ranks.
+    import dataclasses
+    from unittest import mock
+
+    from epdraft.parallel.groups import Groups
+    from epdraft.runtime.coordinator import StepCoordinator
+
+    groups = Groups.from_process_groups(moe=dist.group.WORLD, attn_dp=dist.group.WORLD, cpu=dist.group.WORLD,
+                                        ep_size=world, tp_size=1)  # fmt: skip
+    cpu_sync = StepCoordinator.for_groups(groups, num_extras=1)
+    out["cpu_sync"] = (type(cpu_sync._exchange).__name__, cpu_sync.sync(5, rank, (rank,)).counts)
+    with mock.patch("torch.cuda.current_device", return_value=0):
+        gpu_sync = StepCoordinator.for_groups(dataclasses.replace(groups, device_type="cuda"), num_extras=1)
+    out["gpu_sync"] = (type(gpu_sync._exchange).__name__, str(gpu_sync._exchange.device),
+                       gpu_sync._exchange.group is groups.attn_dp)  # fmt: skip
+    store = dist.distributed_c10d._get_default_store()
+    out["kept"] = [n for n in range(50) if store.check([everyone._key(n, rank)])]
+    if rank in (0, 2):
+        pair = StoreExchange.over(group, width=1)
+        out["pair"] = pair.all_gather((rank * 10,))
+        short = store.clone()
+        short.set_timeout(datetime.timedelta(seconds=1))
+        lonely = StoreExchange(short, [0, 2], rank=rank, width=1)
+        if rank == 0:  # rank 2 never joins this one
+            try:
+                lonely.all_gather((1,))
+                out["timeout"] = None
+            except RuntimeError as e:
+                out["timeout"] = str(e)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_store_exchange_gathers_every_rank_in_order_and_cleans_up():
+    results = run_ranks(3, _exchanges, timeout_s=80)
+    for rank, out in enumerate(results):
+        assert out["mismatches"] == [], (rank, out["mismatches"][:3])
+        # Only the last exchange's value is left: the store does not grow with the steps.
+        assert out["kept"] == [49], (rank, out["kept"])
+    for out in results:
+        assert out["cpu_sync"] == ("StoreExchange", (0, 1, 2))
+        assert out["gpu_sync"] == ("DeviceExchange", "cuda:0", True)
+        assert out["device"] == [[(n, r * n) for r in range(3)] for n in range(3)], out["device"]
+    assert results[0]["pair"] == results[2]["pair"] == [(0,), (20,)]
+    assert "pair" not in results[1]
+    assert results[0]["timeout"] is not None and "/2" in results[0]["timeout"], results[0]["timeout"]
