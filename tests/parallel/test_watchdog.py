@@ -180,17 +180,11 @@ def test_a_stuck_main_thread_with_a_live_heartbeat_is_named_by_every_peer():
         assert after_s is not None and after_s <= HANG_S + 10, (rank, after_s)
 
 
-def _store_host_killed(rank: int, world: int, out: str) -> None:
+def _all_reduce_until_lost(wd, out: str, rank: int) -> None:
+    """All-reduce until a peer is lost, then write what `lost_error` names (or why not) to out/rank{rank}."""
     import torch
     import torch.distributed as dist
 
-    from epdraft.parallel.watchdog import Watchdog
-
-    wd = Watchdog.start_for(dist.group.WORLD, hang_timeout_s=20.0)
-    wd.progress(4, "draft layer 1 MoE")
-    time.sleep(2.5)  # every rank has beaten, and seen the others
-    if rank == 0:  # run_local_ranks' rank 0 hosts the TCPStore of the tcp:// rendezvous
-        os.kill(os.getpid(), signal.SIGKILL)
     try:
         for _ in range(1000):
             dist.all_reduce(torch.ones(4))
@@ -201,6 +195,19 @@ def _store_host_killed(rank: int, world: int, out: str) -> None:
         message = "lost_error returned None" if lost is None else str(lost)
     wd.stop()
     Path(out, f"rank{rank}").write_text(message)
+
+
+def _store_host_killed(rank: int, world: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from epdraft.parallel.watchdog import Watchdog
+
+    wd = Watchdog.start_for(dist.group.WORLD, hang_timeout_s=20.0)
+    wd.progress(4, "draft layer 1 MoE")
+    time.sleep(2.5)  # every rank has beaten, and seen the others
+    if rank == 0:  # run_local_ranks' rank 0 hosts the TCPStore of the tcp:// rendezvous
+        os.kill(os.getpid(), signal.SIGKILL)
+    _all_reduce_until_lost(wd, out, rank)
 
 
 @pytest.mark.timeout(90)
@@ -216,7 +223,6 @@ def test_the_store_host_dying_is_named_alone(tmp_path):
 
 
 def _killed_right_after_reporting(rank: int, world: int, out: str) -> None:
-    import torch
     import torch.distributed as dist
 
     from epdraft.parallel.watchdog import Watchdog
@@ -227,16 +233,7 @@ def _killed_right_after_reporting(rank: int, world: int, out: str) -> None:
     if rank == 2:
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        for _ in range(1000):
-            dist.all_reduce(torch.ones(4))
-            time.sleep(0.01)
-        message = "no collective failed"
-    except RuntimeError as e:
-        lost = wd.lost_error(e, what="the test's all-reduce")
-        message = "lost_error returned None" if lost is None else str(lost)
-    wd.stop()
-    Path(out, f"rank{rank}").write_text(message)
+    _all_reduce_until_lost(wd, out, rank)
 
 
 @pytest.mark.timeout(90)
