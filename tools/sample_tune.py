@@ -12,10 +12,9 @@ import statistics
 
 import torch
 
+from epdraft.bench.ceilings import memory_bytes_per_s
 from epdraft.kernels import launch
 from epdraft.kernels.sample._propose_triton import propose_kernel
-
-HBM_BYTES_PER_S = 3.35e12  # H100 SXM; an H200 reads 4.8e12
 
 
 def main() -> None:
@@ -29,8 +28,10 @@ def main() -> None:
     seed, first = torch.arange(R, device="cuda"), torch.zeros(R, dtype=torch.long, device="cuda")
     tokens = torch.empty(R, dtype=torch.long, device="cuda")
     q = torch.empty(R, V, device="cuda")
-    floor_us = 1e6 * (R * V * 2 + R * V * 4) / HBM_BYTES_PER_S  # one logits read + q written
-    print(f"{R} rows x V {V}, bf16 logits, {torch.cuda.get_device_name()}; floor (one read + q written) {floor_us:.1f} us")
+    bytes_per_s, ceiling = memory_bytes_per_s(torch.cuda.get_device_name())
+    floor_us = 1e6 * (R * V * 2 + R * V * 4) / bytes_per_s  # one logits read + q written
+    print(f"{R} rows x V {V}, bf16 logits, {torch.cuda.get_device_name()}; floor (one read + q written, "
+          f"{ceiling}) {floor_us:.1f} us")
     print(f"{'BLOCK_V':>8}{'warps':>6}{'us':>9}{'x floor':>9}")
     for block in (1024, 2048, 4096, 8192):
         for warps in (4, 8, 16):
