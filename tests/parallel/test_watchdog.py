@@ -53,19 +53,11 @@ def test_a_stopped_rank_is_named_within_hang_timeout_and_resumed():
     assert all(after_s < HANG_S + 5 for _, after_s in results[:2]), results
 
 
-def _peer_lost(rank: int, world: int, how: str, out: str) -> None:
+def _all_reduce_until_lost(wd, out: str, rank: int) -> None:
+    """All-reduce until a peer is lost, then write what `lost_error` names (or why not) to out/rank{rank}."""
     import torch
     import torch.distributed as dist
 
-    from epdraft.parallel.watchdog import Watchdog
-
-    wd = Watchdog.start_for(dist.group.WORLD, hang_timeout_s=20.0)
-    wd.progress(3, "draft layer 1 MoE")
-    time.sleep(2.5)  # every rank has beaten
-    if rank == 2:
-        if how == "failed":
-            wd.fail("rank 2 at step 3: the draft refused its input")
-        os.kill(os.getpid(), signal.SIGKILL)
     try:
         for _ in range(1000):
             dist.all_reduce(torch.ones(4))
@@ -77,6 +69,21 @@ def _peer_lost(rank: int, world: int, how: str, out: str) -> None:
         assert isinstance(lost, ParallelError) or lost is None
     wd.stop()
     Path(out, f"rank{rank}").write_text(message)
+
+
+def _peer_lost(rank: int, world: int, how: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from epdraft.parallel.watchdog import Watchdog
+
+    wd = Watchdog.start_for(dist.group.WORLD, hang_timeout_s=20.0)
+    wd.progress(3, "draft layer 1 MoE")
+    time.sleep(2.5)  # every rank has beaten
+    if rank == 2:
+        if how == "failed":
+            wd.fail("rank 2 at step 3: the draft refused its input")
+        os.kill(os.getpid(), signal.SIGKILL)
+    _all_reduce_until_lost(wd, out, rank)
 
 
 @pytest.mark.timeout(120)
@@ -178,23 +185,6 @@ def test_a_stuck_main_thread_with_a_live_heartbeat_is_named_by_every_peer():
         assert "(last at step 3, phase draft layer 0 MoE, not in a collective)" in messages[0], messages
         assert "rank 0" not in messages[0].split("(cluster.")[0].replace(f"rank {rank} waits", ""), messages
         assert after_s is not None and after_s <= HANG_S + 10, (rank, after_s)
-
-
-def _all_reduce_until_lost(wd, out: str, rank: int) -> None:
-    """All-reduce until a peer is lost, then write what `lost_error` names (or why not) to out/rank{rank}."""
-    import torch
-    import torch.distributed as dist
-
-    try:
-        for _ in range(1000):
-            dist.all_reduce(torch.ones(4))
-            time.sleep(0.01)
-        message = "no collective failed"
-    except RuntimeError as e:
-        lost = wd.lost_error(e, what="the test's all-reduce")
-        message = "lost_error returned None" if lost is None else str(lost)
-    wd.stop()
-    Path(out, f"rank{rank}").write_text(message)
 
 
 def _store_host_killed(rank: int, world: int, out: str) -> None:
