@@ -175,22 +175,25 @@ class DeepseekDSparkDraft(nn.Module):
     @torch.no_grad()
     def extend(self, pool: WindowKVPool, request_ids: Sequence[int], features: Sequence[torch.Tensor]) -> None:
         """Append each request's committed rows' target features [L_i, K*H] to its ring (local, no
-        FFN): one fuse and one K=V projection per layer over all the requests' rows. Raises
-        RequestError naming draft.max_context (before writing anything) when a request outgrows it."""
-        for rid, f in zip(request_ids, features):
-            pool.check_room(rid, f.shape[0])
-        lens = [f.shape[0] for f in features]
-        if sum(lens):
-            starts = [pool.length(rid) for rid in request_ids]
-            main_1LH = self.fuse_features(torch.cat(list(features)).to(self.device)).unsqueeze(0)
-            positions_1L = torch.cat([torch.arange(s, s + n, device=self.device) for s, n in zip(starts, lens)])
-            for layer_id, layer in enumerate(self.layers):
-                kv_LD = layer.attn.context_kv(main_1LH, positions_1L.unsqueeze(0))[0]
-                for rid, start, kv in zip(request_ids, starts, kv_LD.split(lens)):
-                    if kv.shape[0]:
-                        pool.write_rows(layer_id, pool.slot(rid), start, kv)
-        for rid, n in zip(request_ids, lens):
-            pool.commit(rid, n)
+        FFN; `write_context` over the rows packed). Raises RequestError naming draft.max_context
+        (before writing anything) when a request outgrows it."""
+        pool.append(request_ids, features, lambda slots_N, counts_N, rows_TF: self.write_context(
+            pool, slots_N, counts_N, rows_TF))  # fmt: skip
+
+    @torch.no_grad()
+    def write_context(
+        self, pool: WindowKVPool, slots_N: torch.Tensor, counts_N: torch.Tensor, features_TF: torch.Tensor
+    ) -> None:
+        """The device side of a commit: request i's counts_N[i] rows, packed in order in features_TF
+        [T, K*H] (rows past their sum are padding), fused once and through every layer's K=V
+        projection into the slots' rings at their positions (only each request's last `window`
+        rows are kept), then the lengths advance. N >= 1; fixed shapes, no host sync: a CUDA graph
+        can hold it (`CommitGraphs`)."""
+        slot_T, position_T = pool.placement(slots_N, counts_N, features_TF.shape[0])
+        main_1TH = self.fuse_features(features_TF.to(self.device)).unsqueeze(0)
+        for layer_id, layer in enumerate(self.layers):
+            pool.store(layer_id, slot_T, position_T, layer.attn.context_kv(main_1TH, position_T.unsqueeze(0))[0])
+        pool.advance(slots_N, counts_N)
 
     @torch.no_grad()
     def step(

@@ -238,19 +238,27 @@ class DFlashDraft(nn.Module):
     @torch.no_grad()
     def extend(self, pool: KVPool, request_ids: Sequence[int], features: Sequence[torch.Tensor]) -> None:
         """Append each request's committed rows' target features [L_i, K*H] to its context in `pool`
-        (local, no FFN): each request's new K/V rows go to its slot, in place.
+        (local, no FFN): each request's new K/V rows go to its slot, in place (`write_context` over
+        the rows packed). Raises RequestError naming draft.max_context (before writing anything)
+        when a request's rows do not fit."""
+        pool.append(request_ids, features, lambda slots_N, counts_N, rows_TF: self.write_context(
+            pool, slots_N, counts_N, rows_TF))  # fmt: skip
 
-        Raises RequestError naming draft.max_context (before writing anything) when a request's
-        rows do not fit.
-        """
-        for rid, f in zip(request_ids, features):
-            pool.check_room(rid, f.shape[0])
-        starts = [pool.length(rid) for rid in request_ids]
-        slots = [pool.slot(rid) for rid in request_ids]
-        for layer, i, k_gLD, v_gLD in self.context_rows(starts, features):
-            pool.write(layer, slots[i], starts[i], k_gLD, v_gLD)
-        for rid, f in zip(request_ids, features):
-            pool.commit(rid, f.shape[0])
+    @torch.no_grad()
+    def write_context(
+        self, pool: KVPool, slots_N: torch.Tensor, counts_N: torch.Tensor, features_TF: torch.Tensor
+    ) -> None:
+        """The device side of a commit: request i's counts_N[i] rows, packed in order in features_TF
+        [T, K*H] (rows past their sum are padding), through fc, hidden_norm and every layer's K/V
+        projection (k normed and rotated at its position) into slots_N's rows after their lengths,
+        which then advance. N >= 1; shapes depend on N and T only and nothing waits for the
+        host: a CUDA graph can hold it (`CommitGraphs`). The host's lengths are the caller's (`pool.append`)."""
+        slot_T, position_T = pool.placement(slots_N, counts_N, features_TF.shape[0])
+        hidden_1TH = self.fuse_features(features_TF).unsqueeze(0)
+        for layer_id, layer in enumerate(self.layers):
+            k, v = layer.self_attn.context_kv(hidden_1TH, position_T.unsqueeze(0))
+            pool.store(layer_id, slot_T, position_T, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        pool.advance(slots_N, counts_N)
 
     @torch.no_grad()
     def step(

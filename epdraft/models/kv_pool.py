@@ -3,10 +3,13 @@
 `RequestSlots` is what every pool shares (slots, lengths, sampling); `KVPool` holds DFlash/DSpark's
 context: per layer k, v [P, g, C, D]: P = max_requests slots plus one pad slot (the rows a CUDA-graph
 bucket pads with attend to it), C = max_context + block_size rows. A request owns one slot for
-its lifetime; its committed context rows [0, length) are appended by `extend`, and each draft
-step writes its block's K/V to rows [length, length + B), where the next commit overwrites them
-(only verified rows ever count as context). Nothing is copied per step and nothing already
-admitted is ever moved, evicted or overwritten by another request.
+its lifetime; its committed context rows [0, length) are appended by the draft's `write_context`
+(a program of fixed shapes with no host sync, so a CUDA graph can hold it: `placement` says where
+each packed row goes, `advance` moves the device lengths, and the host's lengths are booked apart,
+never read back), and each draft step writes its block's K/V to rows [length, length + B), where
+the next commit overwrites them (only verified rows ever count as context). Nothing is copied per
+step and nothing already admitted is ever moved, evicted or overwritten by another request: rows a
+program computes but does not keep (padding) land in the pad slot.
 
 Each slot also holds its request's sampling parameters on the device (the pad slot greedy), so a
 captured step gathers them by the same slot index as the context (`sampling_of`). `WindowKVPool`
@@ -15,7 +18,7 @@ holds a DeepSeek DSpark draft's: one K=V row per position, the last `window` of 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -105,10 +108,57 @@ class RequestSlots:
                 f"request {request_id}: {length} + {rows} context rows exceed draft.max_context = {self.max_context}"
             )
 
-    def commit(self, request_id: int, rows: int) -> None:
-        """Advance a request's length once every layer has its `rows` new context rows."""
-        slot = self.slot(request_id)
-        self._set_length(slot, self._host_lengths[slot] + rows)
+    def book(self, request_id: int, rows: int) -> None:
+        """Advance a request's length on the host only (the device's is `advance`d by the program
+        that wrote the rows: the host never reads it back)."""
+        self._host_lengths[self.slot(request_id)] += rows
+
+    def append(
+        self,
+        request_ids: Sequence[int],
+        features: Sequence[torch.Tensor],
+        write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+    ) -> None:
+        """The host side of appending each request's rows features[i] [L_i, F] to its context:
+        refuse (RequestError naming draft.max_context) before writing anything when a request's
+        rows do not fit, run `write(slots_N, counts_N, packed rows [sum L_i, F])` (a draft's
+        `write_context`, on the rows' device), then book the lengths."""
+        counts = [f.shape[0] for f in features]
+        for rid, n in zip(request_ids, counts):
+            self.check_room(rid, n)
+        if sum(counts):
+            device = features[0].device
+            slots_N = torch.tensor([self.slot(r) for r in request_ids], dtype=torch.long, device=device)
+            write(slots_N, torch.tensor(counts, dtype=torch.long, device=device), torch.cat(list(features)))
+        for rid, n in zip(request_ids, counts):
+            self.book(rid, n)
+
+    keep_rows: int | None = None
+    """Context rows a request keeps (None: all; a ring pool: its window); `placement` drops older ones."""
+
+    def placement(
+        self, slots_N: torch.Tensor, counts_N: torch.Tensor, rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot_T, position_T) int64 of `rows` packed context rows: request i's counts_N[i] rows
+        follow each other at positions length .. of slots_N[i]; rows past sum(counts_N) (a graph's
+        padding) and rows older than `keep_rows` of their request go to the pad slot's position 0
+        (never read as context). On the device, from the device lengths: no host sync."""
+        device = slots_N.device
+        ends_N = counts_N.cumsum(0)
+        t_T = torch.arange(rows, device=device)
+        req_T = torch.searchsorted(ends_N, t_T, right=True).clamp_(max=max(slots_N.shape[0] - 1, 0))
+        j_T = t_T - (ends_N - counts_N)[req_T]
+        live_T = t_T < ends_N[-1:]
+        if self.keep_rows is not None:
+            live_T &= j_T >= counts_N[req_T] - self.keep_rows
+        slot_T = slots_N[req_T]
+        position_T = self.lengths[slot_T].long() + j_T
+        pad = torch.full_like(slot_T, self.pad_slot)
+        return torch.where(live_T, slot_T, pad), torch.where(live_T, position_T, 0)
+
+    def advance(self, slots_N: torch.Tensor, counts_N: torch.Tensor) -> None:
+        """Advance the device lengths of slots_N by counts_N (the pad slot's counts are 0); no host sync."""
+        self.lengths.index_add_(0, slots_N, counts_N.to(self.lengths.dtype))
 
     def _set_length(self, slot: int, length: int) -> None:
         self._host_lengths[slot] = length
@@ -169,11 +219,11 @@ class KVPool(RequestSlots):
         """Every row tensor the pool holds (K and V of every layer)."""
         return [*self.k, *self.v]
 
-    def write(self, layer: int, slot: int, start: int, k_gLD: torch.Tensor, v_gLD: torch.Tensor) -> None:
-        """Rows [start, start + L) of one slot's layer (context rows, by `extend`)."""
-        end = start + k_gLD.shape[1]
-        self.k[layer][slot, :, start:end] = k_gLD
-        self.v[layer][slot, :, start:end] = v_gLD
+    def store(self, layer: int, slot_T: torch.Tensor, position_T: torch.Tensor, k_TgD: torch.Tensor,
+              v_TgD: torch.Tensor) -> None:  # fmt: skip
+        """One layer's K/V of T rows at (slot, position) (`placement`'s), in place."""
+        self.k[layer][slot_T, :, position_T] = k_TgD.to(self.dtype)
+        self.v[layer][slot_T, :, position_T] = v_TgD.to(self.dtype)
 
 
 class WindowKVPool(RequestSlots):
@@ -206,13 +256,15 @@ class WindowKVPool(RequestSlots):
         """Every row tensor the pool holds (the K=V ring of every layer)."""
         return list(self.kv)
 
-    def write_rows(self, layer: int, slot: int, start: int, kv_LD: torch.Tensor) -> None:
-        """Context rows of positions [start, start + L) into one slot's ring (only the last `window`
-        of them can survive, so only those are written)."""
-        L = kv_LD.shape[0]
-        keep = min(L, self.window)
-        rows = torch.arange(start + L - keep, start + L, device=kv_LD.device) % self.window
-        self.kv[layer][slot, rows.to(self.kv[layer].device)] = kv_LD[L - keep :]
+    @property
+    def keep_rows(self) -> int:
+        """A request's last `window` rows: `placement` sends older ones to the pad slot, so no two
+        rows of one program land on the same ring row."""
+        return self.window
+
+    def store(self, layer: int, slot_T: torch.Tensor, position_T: torch.Tensor, kv_TD: torch.Tensor) -> None:
+        """One layer's K=V rows of T positions (`placement`'s) into their rings, in place."""
+        self.kv[layer][slot_T, position_T % self.window] = kv_TD.to(self.dtype)
 
     def window_of(self, layer: int, slots_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(kv_NWD [N, window, D], valid_NW [N, window] bool) of the requests' rings: ring row j is

@@ -55,6 +55,14 @@ class DraftModel(Protocol):
         """Append each request's committed rows' target features [L_i, K*H] to its context (local, no FFN)."""
         ...
 
+    def write_context(
+        self, pool: RequestSlots, slots_N: torch.Tensor, counts_N: torch.Tensor, features_TF: torch.Tensor
+    ) -> None:
+        """`extend`'s device side: request i's counts_N[i] rows, packed in features_TF [T, K*H]
+        (rows past their sum are padding), into slots_N's context, device lengths advanced; fixed
+        shapes and no host sync, so a CUDA graph can hold it. The host's lengths are the caller's."""
+        ...
+
     def step(
         self,
         pool: RequestSlots,

@@ -16,9 +16,11 @@ step id -- checked --, the caller's extras), as the standalone runner does. Eith
 layer runs once over all of the rank's rows with the agreed plan handed to every MoE layer, so
 each MoE collective is entered exactly once per layer per step by every rank.
 
-Context K/V live in the draft's pool (a KVPool, or a WindowKVPool) sized once (`max_requests` x `max_context` rows), written in place by
-`add_request` / `commit`; with `kernels.graphs` the step is replayed from a CUDA graph per batch
-bucket (`epdraft.runtime.graphs`). Which kernel runs each op of the step is resolved once, in
+Context K/V live in the draft's pool (a KVPool, or a WindowKVPool) sized once (`max_requests` x
+`max_context` rows), written in place by `add_request` / `commit`; with `kernels.graphs` the step
+and the commit are each replayed from a CUDA graph per batch bucket (`epdraft.runtime.graphs`), and
+neither waits for the device: the pool's bookkeeping stays on the host, and the step's finite flags
+are copied back asynchronously and checked by a later `commit` once they have arrived. Which kernel runs each op of the step is resolved once, in
 `build` (`StepKernels`), logged beside the MoE layout and reported in the run summary.
 
 Every rank's `Watchdog` beats through the rendezvous store (the runner passes its own; otherwise
@@ -29,6 +31,7 @@ and phase, instead of torch's "Connection reset by peer", so an engine gets the 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -51,7 +54,7 @@ from epdraft.models.spec import DraftModelSpec
 from epdraft.parallel.groups import Groups
 from epdraft.parallel.watchdog import Watchdog
 from epdraft.runtime.coordinator import StepCoordinator
-from epdraft.runtime.graphs import StepGraphs, default_buckets
+from epdraft.runtime.graphs import CommitGraphs, StepGraphs, default_buckets
 from epdraft.runtime.timing import PhaseTimers, TimedDispatcher, time_forward
 from epdraft.sampling import seeded
 from epdraft.target.base import VerifyResult
@@ -115,8 +118,8 @@ class DraftRuntime:
         self.watchdog = watchdog
         self._owns_watchdog = owns_watchdog
         self.pool = draft.new_pool(max_requests=max_requests, max_context=max_context)
-        self._finite_L: torch.Tensor | None = None  # the last step's per-layer finite flags (device)
-        self._step = -1
+        # (step, its per-layer finite flags (host), the event after which they are there; None: on the CPU)
+        self._flags: collections.deque[tuple[int, torch.Tensor, torch.cuda.Event | None]] = collections.deque()
         moe_layers = [m for m in draft.modules() if isinstance(m, DraftMoE)]
         self._dispatchers = {id(m.dispatcher): m.dispatcher for m in moe_layers}
         for m in moe_layers:
@@ -125,7 +128,15 @@ class DraftRuntime:
                 lambda _m, _args, phase=f"draft layer {m.layer_id} MoE": watchdog.progress(phase=phase)
             )
         self.graphs: StepGraphs | None = None
+        self.commit_graphs: CommitGraphs | None = None
         if self.kernels.graphs:
+            spec = draft.spec
+            self.commit_graphs = CommitGraphs(
+                lambda slots_N, counts_N, rows_TF: draft.write_context(self.pool, slots_N, counts_N, rows_TF),
+                pad_slot=self.pool.pad_slot, buckets=default_buckets(max_requests),
+                rows_per_request=draft.num_drafts + 1, width=spec.num_target_features * spec.hidden_size,
+                dtype=self.pool.dtype, device=draft.device,
+            )  # fmt: skip
             self.graphs = StepGraphs(
                 lambda slots, anchors, plan, readout: draft.step(
                     self.pool, slots, anchors, heads, plan, readout=readout
@@ -227,9 +238,9 @@ class DraftRuntime:
 
     @torch.no_grad()
     def warm_up(self, progress: Callable[[int], None] | None = None) -> None:
-        """Capture the step's CUDA graph of every batch bucket (argmax readout) now, so that no
-        request pays a capture later; `progress(buckets done)` after each. Without graphs it does
-        nothing. Every rank of the DP group must call it at the same point, built with the same
+        """Capture the step's CUDA graph (argmax readout) and the commit's of every batch bucket now,
+        so that no request pays a capture later; `progress(buckets done)` after each. Without graphs
+        it does nothing. Every rank of the DP group must call it at the same point, built with the same
         `max_requests` (the same buckets, as any step under graphs needs): each capture runs the
         MoE layers' collectives at the bucket's shapes (on pad rows only: nothing is drafted).
         A sampled readout's graphs are still captured on first use."""
@@ -239,6 +250,7 @@ class DraftRuntime:
         for done, bucket in enumerate(self.graphs.buckets, start=1):
             self.watchdog.progress(phase=f"capturing the draft step for {bucket} requests")
             self.graphs.run([], [], StepPlan(step=-1, ranks=ranks, counts=(bucket * self.block_size,) * len(ranks)))
+            self.commit_graphs.capture(bucket)
             if progress is not None:
                 progress(done)
 
@@ -283,7 +295,8 @@ class DraftRuntime:
         Every rank must call this once per step, an idle rank with `anchors = {}`. Returns with
         empty drafts on every rank when the agreed plan says no rank has rows. No host sync on
         CUDA beyond the step's CPU-group sync (none with `counts`): the drafts stay on the device,
-        and their layers' finite flags are read by `commit`, after the caller has read the drafts.
+        and their layers' finite flags are copied to the host asynchronously, checked by the first
+        `commit` that finds them arrived.
 
         counts: the engine's DP metadata, when it already agreed on it for its target forward:
             every rank's draft rows (its requests x block_size) in the order of the draft's DP
@@ -330,7 +343,7 @@ class DraftRuntime:
             if lost is None:
                 raise
             raise self._failed(lost) from e
-        self._step, self._finite_L = step, out.finite_L
+        self._keep_flags(step, out.finite_L)
         confidence = {} if out.confidence_NK is None else {r: out.confidence_NK[i] for i, r in enumerate(ids)}
         probs = {} if out.probs_NKV is None else {r: out.probs_NKV[i] for i, r in enumerate(ids)}
         return Proposal(plan, {r: out.drafts_NK[i] for i, r in enumerate(ids)}, confidence, probs)
@@ -380,25 +393,50 @@ class DraftRuntime:
         self.watchdog.fail(str(error))
         return error
 
+    def _keep_flags(self, step: int, finite_L: torch.Tensor) -> None:
+        """Start the copy of a step's finite flags to the host (a CUDA graph's output is overwritten
+        by its next replay: the copy is queued behind this one)."""
+        if finite_L.device.type != "cuda":
+            self._flags.append((step, finite_L, None))
+            return
+        host = torch.empty(finite_L.shape, dtype=finite_L.dtype, pin_memory=True)
+        host.copy_(finite_L, non_blocking=True)
+        arrived = torch.cuda.Event()
+        arrived.record()
+        self._flags.append((step, host, arrived))
+
+    def _check_flags(self, what: str) -> None:
+        """Raise NonFiniteError naming the step and the draft layer whose hidden states went NaN or
+        inf, for every step whose flags have arrived (never waiting for the others)."""
+        while self._flags and (self._flags[0][2] is None or self._flags[0][2].query()):
+            step, finite_L, _ = self._flags.popleft()
+            try:
+                check_finite(finite_L, what, self.pool.dtype)
+            except NonFiniteError as e:
+                raise self._failed(NonFiniteError(f"rank {self.coordinator.rank} at step {step}: {e}")) from None
+
     @torch.no_grad()
     def commit(self, result: VerifyResult) -> None:
         """Append each verified request's committed rows (anchor + accepted drafts) to its context.
 
-        Raises NonFiniteError naming the draft layer whose hidden states went NaN or inf in the
-        step these rows verified (the flags `propose` left on the device, read here once).
+        Under graphs the rows go through the commit's CUDA graph of the requests' bucket: with
+        `result.commit_lens` on the host (as an engine has them) nothing waits for the device.
+        Raises RequestError naming draft.max_context (before writing anything) when a request's
+        rows do not fit; NonFiniteError naming the step and draft layer whose hidden states went
+        NaN or inf, once that step's flags (from `propose`) have reached the host.
         """
-        if self._finite_L is not None:
-            finite_L, self._finite_L = self._finite_L, None
-            try:
-                check_finite(finite_L, f"{len(result.request_ids)} requests verified", self.pool.dtype)
-            except NonFiniteError as e:
-                raise self._failed(NonFiniteError(f"rank {self.coordinator.rank} at step {self._step}: {e}")) from None
+        self._check_flags(f"{len(result.request_ids)} requests verified")
+        ids = list(result.request_ids)
         with self._phase("draft_context"):
-            self.draft.extend(
-                self.pool,
-                list(result.request_ids),
-                [result.features[result.rows(i)] for i in range(len(result.request_ids))],
-            )
+            if self.commit_graphs is None or not ids:
+                self.draft.extend(self.pool, ids, [result.features[result.rows(i)] for i in range(len(ids))])
+                return
+            counts = result.commit_lens.tolist()
+            for rid, n in zip(ids, counts):
+                self.pool.check_room(rid, n)
+            self.commit_graphs.run([self.pool.slot(r) for r in ids], counts, result.features)
+            for rid, n in zip(ids, counts):
+                self.pool.book(rid, n)
 
     def close(self) -> None:
         """Free the dispatcher's buffers (every rank of the MoE group must call it) and stop the

@@ -1,4 +1,5 @@
-"""StepGraphs: the draft step captured as one CUDA graph per batch-size bucket, replayed every step.
+"""StepGraphs / CommitGraphs: the draft step, and the commit of the verified rows into the draft's
+context, each captured as one CUDA graph per batch-size bucket, replayed every step.
 
 A step's requests are padded to the smallest bucket >= the largest request count of any DP rank
 (read from the agreed StepPlan, so every rank, idle ranks included, replays a graph of the same
@@ -8,6 +9,10 @@ replay never synchronizes the host. A bucket is captured the first time a step n
 rank at the same step; the MoE layers are captured with a plan whose counts are the bucket's, so
 their collectives have the bucket's fixed shapes. Each readout (`Readout`: argmax, sampled,
 sampled with top-k / top-p) has its own graph per bucket: an all-greedy step keeps the argmax one.
+
+A commit has no collective, so its bucket is this rank's own request count; its rows (1 ..
+`rows_per_request` per request, packed) are copied into the graph's static rows and the padding
+goes to the pad slot (`RequestSlots.placement`).
 """
 
 from __future__ import annotations
@@ -122,4 +127,88 @@ class StepGraphs:
         captured = _Captured(graph, slots_host, anchors_host, slots_d, anchors_d, output)
         captured.copied.record()  # the copies above read the pinned buffers that `run` refills next
         self._captured[b, readout] = captured
+        return captured
+
+
+@dataclasses.dataclass
+class _CapturedCommit:
+    graph: torch.cuda.CUDAGraph
+    ints_host: torch.Tensor  # [2, b] pinned: slots, counts
+    ints: torch.Tensor
+    features: torch.Tensor  # [b * rows_per_request, F] in the draft's dtype
+    copied: torch.cuda.Event = dataclasses.field(default_factory=torch.cuda.Event)
+
+
+class CommitGraphs:
+    """Captures and replays `write(slots_N, counts_N, features_TF)` (a draft's `write_context` bound
+    to its pool) per bucket of requests, T = bucket x `rows_per_request`.
+
+    pad_slot: the slot padding requests name (with 0 rows). width, dtype: the rows' feature width
+    and the dtype the draft's fc reads (the static rows are held in it).
+    """
+
+    def __init__(
+        self,
+        write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+        *,
+        pad_slot: int,
+        buckets: tuple[int, ...],
+        rows_per_request: int,
+        width: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.write = write
+        self.pad_slot, self.buckets, self.rows_per_request = pad_slot, buckets, rows_per_request
+        self.width, self.dtype, self.device = width, dtype, device
+        self._captured: dict[int, _CapturedCommit] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def run(self, slots: list[int], counts: list[int], features_TF: torch.Tensor) -> None:
+        """Commit request i's counts[i] rows, packed in features_TF [sum(counts), F] on the device,
+        into slots[i] (host lists, len >= 1; each count at most `rows_per_request`): the rows are
+        copied into the bucket's static rows and its graph replayed, with no host sync."""
+        over = [c for c in counts if c > self.rows_per_request]
+        if over:
+            raise RequestError(
+                f"commit: {max(over)} rows for one request; a step commits at most {self.rows_per_request} "
+                "(the anchor and every draft)"
+            )
+        b = bucket_for(self.buckets, len(slots))
+        captured = self._captured.get(b)
+        if captured is None:
+            captured = self._capture(b)
+        n = len(slots)
+        captured.copied.synchronize()  # the last commit's input copy has read the pinned buffers
+        captured.ints_host[0].fill_(self.pad_slot)
+        captured.ints_host[0, :n] = torch.tensor(slots, dtype=torch.long)
+        captured.ints_host[1].zero_()
+        captured.ints_host[1, :n] = torch.tensor(counts, dtype=torch.long)
+        captured.ints.copy_(captured.ints_host, non_blocking=True)
+        captured.copied.record()
+        captured.features[: features_TF.shape[0]].copy_(features_TF)
+        captured.graph.replay()
+
+    def capture(self, b: int) -> None:
+        """Capture bucket `b` now (start-up), unless it already is."""
+        if b not in self._captured:
+            self._capture(b)
+
+    def _capture(self, b: int) -> _CapturedCommit:
+        ints_host = torch.zeros(2, b, dtype=torch.long, pin_memory=True)
+        ints_host[0].fill_(self.pad_slot)  # the warm-up run below writes junk rows to the pad slot only
+        ints = ints_host.to(self.device, non_blocking=True)
+        features = torch.zeros(b * self.rows_per_request, self.width, dtype=self.dtype, device=self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.write(ints[0], ints[1], features)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.write(ints[0], ints[1], features)
+        log.info("captured the draft context commit for %d requests", b)
+        captured = _CapturedCommit(graph, ints_host, ints, features)
+        captured.copied.record()
+        self._captured[b] = captured
         return captured

@@ -30,8 +30,10 @@ def test_admission_refusal_release_and_reuse():
     with pytest.raises(RequestError, match="request 7 is already active"):
         pool.admit(7)
     rows = torch.arange(2 * 4, dtype=torch.float32).view(1, 2, 4)
-    pool.write(0, b, 0, rows, -rows)
-    pool.commit(8, 2)
+    slot_T, position_T = pool.placement(torch.tensor([b]), torch.tensor([2]), 2)
+    pool.store(0, slot_T, position_T, rows.transpose(0, 1), -rows.transpose(0, 1))
+    pool.advance(torch.tensor([b]), torch.tensor([2]))
+    pool.book(8, 2)
     with pytest.raises(RequestError, match=r"request 8: 2 \+ 9 context rows exceed draft.max_context = 10"):
         pool.check_room(8, 9)
     pool.release(7)
