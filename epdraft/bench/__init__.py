@@ -1,7 +1,7 @@
-"""`epdraft bench dispatch | kernel | step | sync | transfer`: benchmarks as commands (JSON lines + a table).
+"""`epdraft bench dispatch | iteration | kernel | step | sync | transfer`: benchmarks as commands (JSON lines + a table).
 
-Each sub-command lives in its own module (`epdraft.bench.dispatch`, `.kernel`, `.step`, `.sync`,
-`.transfer`)
+Each sub-command lives in its own module (`epdraft.bench.dispatch`, `.iteration`, `.kernel`,
+`.step`, `.sync`, `.transfer`)
 exposing `add_arguments(parser)` and `main(args) -> int`; it is imported only when chosen, so one
 benchmark's heavy or missing dependencies (Triton, Mooncake) never break the others.
 """
@@ -13,6 +13,7 @@ import importlib
 
 SUBCOMMANDS = {
     "dispatch": "MoE dispatch layouts on local CPU ranks: per-phase median step time",
+    "iteration": "the engine's draft iteration (commit + propose) on one GPU, graph and eager, against its floor",
     "kernel": "fused-experts kernels against the reference and the memory roofline",
     "step": "the whole draft step on one GPU (cache, pooled eager, CUDA graph) against its floor",
     "sync": "the step sync on 2-16 local CPU ranks: median ms per sync against W = 2",

@@ -144,6 +144,18 @@ class RandomHeads(torch.nn.Module):
         return self.head(hidden)
 
 
+def random_draft(spec, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """(draft, heads) of `spec` with random weights (norms 1, the rest N(0, 1/fan-in)), seeded: one replicated rank."""
+    from epdraft.models.protocol import DRAFT_FAMILIES
+
+    torch.manual_seed(0)
+    draft = DRAFT_FAMILIES[spec.kind](spec, dtype=dtype, device=device, dispatcher=None).eval()
+    with torch.no_grad():
+        for name, t in draft.named_parameters():
+            t.fill_(1.0) if name.endswith("norm.weight") else t.normal_(0.0, t.shape[-1] ** -0.5)
+    return draft, RandomHeads(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+
+
 def floor_seconds(
     draft, heads: RandomHeads, n: int, context: int, bytes_per_s: float, touched: list[int] | None = None
 ) -> tuple[float, int, float]:
@@ -215,15 +227,20 @@ def _context_read(draft, n: int, context: int) -> tuple[int, float]:
     return L * n * seen * row_bytes, L * 4.0 * n * B * keys * spec.num_heads * spec.head_dim
 
 
-def _time_alternately_ms(fns, steps: int, warmup: int) -> list[float]:
+def _time_alternately_ms(fns, steps: int, warmup: int, before=None) -> list[float]:
     """Median ms (CUDA events) of each of `fns`, timed in turn (a, b, a, b, ...): a clock or thermal
-    drift during the run moves them alike, so their ratio is what a side-by-side comparison means."""
+    drift during the run moves them alike, so their ratio is what a side-by-side comparison means.
+    `before()`, when given, runs ahead of every call, outside its events (e.g. resetting state)."""
     for _ in range(warmup):
         for fn in fns:
+            if before is not None:
+                before()
             fn()
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(steps):
         for fn, out in zip(fns, times):
+            if before is not None:
+                before()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -271,7 +288,6 @@ def _sampling_flags(args: argparse.Namespace) -> SamplingParams | None:
 
 def main(args: argparse.Namespace) -> int:
     from epdraft.config.hf import read_config_json
-    from epdraft.models.protocol import DRAFT_FAMILIES
     from epdraft.models.reference import reference_step
     from epdraft.models.spec import DraftModelSpec
     from epdraft.runtime.graphs import StepGraphs
@@ -295,13 +311,8 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("--attention times the DFlash block-attention kernel; a DeepSeek DSpark (dspark_v4) "
                           "draft's attention has no kernel of its own yet")  # fmt: skip
     cache_path = not args.no_cache_path and spec.deepseek is None  # DSpark V4 has no cache-based step
-    device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
-    torch.manual_seed(0)
-    draft = DRAFT_FAMILIES[spec.kind](spec, dtype=dtype, device=device, dispatcher=None).eval()
-    with torch.no_grad():
-        for name, t in draft.named_parameters():
-            t.fill_(1.0) if name.endswith("norm.weight") else t.normal_(0.0, t.shape[-1] ** -0.5)
-    heads = RandomHeads(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+    device = torch.device("cuda", torch.cuda.current_device())
+    draft, heads = random_draft(spec, device)
     B, results = spec.block_size, []
     label = str(args.draft) if args.draft else args.preset
     params = sum(p.numel() for p in draft.parameters()) / 1e9
@@ -534,25 +545,24 @@ def _read_results(path: Path) -> list[dict]:
     return rows
 
 
-def _plot(plt, results: list[dict], path: Path) -> None:
-    """Graph step ms and floor ms against N, one pair of lines per (preset, context).
-
-    Attention rows are left out; step rows are those without `kind` (files written before it
-    existed) or with kind "step". A point measured twice (runs appended to one file) keeps the last.
-    """
+def _plot(plt, results: list[dict], path: Path, kind: str = "step", what: str = "draft step") -> None:
+    """Graph ms and floor ms against N, one pair of lines per (preset, context), of the rows of
+    `kind` (`graph_ms`, `floor_ms`): "step" rows are those without `kind` (files written before it
+    existed) or with kind "step"; other rows are left out. A point measured twice (runs appended to
+    one file) keeps the last."""
     points: dict[tuple[str, int], dict[int, dict]] = {}
     devices = set()
     for r in results:
-        if r.get("kind", "step") != "step":
+        if r.get("kind", "step") != kind:
             continue
         devices.add(str(r.get("device", "")))
         try:
             points.setdefault((str(r["preset"]), int(r["context"])), {})[int(r["requests"])] = {
                 "graph_ms": float(r["graph_ms"]), "floor_ms": float(r["floor_ms"])}  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"--plot: a step row without preset, context, requests, graph_ms, floor_ms: {r}") from e
+            raise ConfigError(f"--plot: a {kind} row without preset, context, requests, graph_ms, floor_ms: {r}") from e
     if not points:
-        raise ConfigError(f"--plot {path}: no step results to draw (attention rows are not plotted)")
+        raise ConfigError(f"--plot {path}: no {kind} results to draw (other rows are not plotted)")
     presets = sorted({preset for preset, _ in points})
     fig, ax = plt.subplots(figsize=(7, 4))
     for (preset, context), by_n in sorted(points.items()):
@@ -561,9 +571,9 @@ def _plot(plt, results: list[dict], path: Path) -> None:
         (line,) = ax.plot(n, [by_n[i]["graph_ms"] for i in n], "o-", label=f"graph, {label}")
         ax.plot(n, [by_n[i]["floor_ms"] for i in n], "--", color=line.get_color(), label=f"floor, {label}")
     devices.discard("")
-    ax.set_title(f"draft step: {', '.join(presets)}" + (f" on {', '.join(sorted(devices))}" if devices else ""))
+    ax.set_title(f"{what}: {', '.join(presets)}" + (f" on {', '.join(sorted(devices))}" if devices else ""))
     ax.set_xlabel("requests N")
-    ax.set_ylabel("ms per draft step")
+    ax.set_ylabel(f"ms per {what}")
     ax.set_xscale("log", base=2)
     all_n = sorted({i for by_n in points.values() for i in by_n})
     ax.set_xticks(all_n, [str(i) for i in all_n])

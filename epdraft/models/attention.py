@@ -139,9 +139,15 @@ class DFlashAttention(nn.Module):
         equal), which the fused q/k kernel reads instead of recomputing the table every step."""
         return rope_table(positions, self.head_dim, self.rope_theta, device)
 
-    def context_kv(self, target_hidden_NLH: torch.Tensor, positions_NL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V [N, g, L, D] of the fused target hidden [N, L, H] at positions [N, L] (k: normed + RoPE)."""
-        return self._kv(target_hidden_NLH, positions_NL)
+    def context_kv(
+        self,
+        target_hidden_NLH: torch.Tensor,
+        positions_NL: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [N, g, L, D] of the fused target hidden [N, L, H] at positions [N, L] (k: normed + RoPE).
+        rope: `rope_cos_sin(positions_NL, ...)` when the caller made it once for every layer."""
+        return self._kv(target_hidden_NLH, positions_NL, rope)
 
     def forward(
         self,

@@ -230,10 +230,13 @@ class DeepseekDSparkAttention(nn.Module):
             kv = torch.cat([fp8_ue8m0_roundtrip(kv[..., :-R]), kv[..., -R:]], dim=-1) if R < self.head_dim else kv
         return apply_interleaved_rope(kv, cos, sin)
 
-    def context_kv(self, hidden_NLH: torch.Tensor, positions_NL: torch.Tensor) -> torch.Tensor:
+    def context_kv(
+        self, hidden_NLH: torch.Tensor, positions_NL: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """The shared K=V row [N, L, D] (x's dtype) of each context position: kv_norm(kv_proj(x)),
-        its rope slice rotated at its position. A KV pool stores it once per position (per layer)."""
-        return self._kv(hidden_NLH, *self.rope(positions_NL))
+        its rope slice rotated at its position. A KV pool stores it once per position (per layer).
+        rope: `self.rope(positions_NL)` when the caller made it once for every layer."""
+        return self._kv(hidden_NLH, *(rope if rope is not None else self.rope(positions_NL)))
 
     def forward(
         self, x_NBH: torch.Tensor, positions_NB: torch.Tensor, kv_ctx_NSD: torch.Tensor, ctx_valid_NS: torch.Tensor

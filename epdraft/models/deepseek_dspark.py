@@ -191,8 +191,9 @@ class DeepseekDSparkDraft(nn.Module):
         can hold it (`CommitGraphs`)."""
         slot_T, position_T = pool.placement(slots_N, counts_N, features_TF.shape[0])
         main_1TH = self.fuse_features(features_TF.to(self.device)).unsqueeze(0)
+        rope = self.layers[0].attn.rope(position_T.unsqueeze(0))  # every layer rotates alike: one table for all
         for layer_id, layer in enumerate(self.layers):
-            pool.store(layer_id, slot_T, position_T, layer.attn.context_kv(main_1TH, position_T.unsqueeze(0))[0])
+            pool.store(layer_id, slot_T, position_T, layer.attn.context_kv(main_1TH, position_T.unsqueeze(0), rope)[0])
         pool.advance(slots_N, counts_N)
 
     @torch.no_grad()

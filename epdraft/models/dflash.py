@@ -27,7 +27,7 @@ from epdraft.layers.build import build_ffn
 from epdraft.layers.step_kernels import StepKernels
 from epdraft.layers.mlp import DraftMLP
 from epdraft.layers.moe import DraftMoE
-from epdraft.models.attention import DFlashAttention, RMSNorm
+from epdraft.models.attention import DFlashAttention, RMSNorm, rope_cos_sin
 from epdraft.models.kv_pool import KVPool
 from epdraft.models.spec import DraftModelSpec
 from epdraft.models.step import DraftStep
@@ -255,8 +255,10 @@ class DFlashDraft(nn.Module):
         host: a CUDA graph can hold it (`CommitGraphs`). The host's lengths are the caller's (`pool.append`)."""
         slot_T, position_T = pool.placement(slots_N, counts_N, features_TF.shape[0])
         hidden_1TH = self.fuse_features(features_TF).unsqueeze(0)
+        attn = self.layers[0].self_attn  # every layer rotates alike: one rotary table for all
+        rope = rope_cos_sin(position_T.unsqueeze(0), attn.head_dim, attn.rope_theta)
         for layer_id, layer in enumerate(self.layers):
-            k, v = layer.self_attn.context_kv(hidden_1TH, position_T.unsqueeze(0))
+            k, v = layer.self_attn.context_kv(hidden_1TH, position_T.unsqueeze(0), rope)
             pool.store(layer_id, slot_T, position_T, k[0].transpose(0, 1), v[0].transpose(0, 1))
         pool.advance(slots_N, counts_N)
 

@@ -180,6 +180,11 @@ class RequestSlots:
         """Bytes the pool's rows hold on its device."""
         return sum(t.numel() * t.element_size() for t in self.buffers)
 
+    @property
+    def bytes_per_position(self) -> int:
+        """Bytes one context position of one request takes over all layers (what a commit writes per row)."""
+        raise NotImplementedError
+
     def sampling_of(self, slots_N: torch.Tensor, readout: Readout) -> SamplingBatch:
         """The sampling rows of `slots_N` (device, no host sync), with the `readout` the caller
         knows they need (`readout(request_ids)`)."""
@@ -219,6 +224,10 @@ class KVPool(RequestSlots):
         """Every row tensor the pool holds (K and V of every layer)."""
         return [*self.k, *self.v]
 
+    @property
+    def bytes_per_position(self) -> int:
+        return sum(t.shape[1] * t.shape[3] * t.element_size() for t in self.buffers)
+
     def store(self, layer: int, slot_T: torch.Tensor, position_T: torch.Tensor, k_TgD: torch.Tensor,
               v_TgD: torch.Tensor) -> None:  # fmt: skip
         """One layer's K/V of T rows at (slot, position) (`placement`'s), in place."""
@@ -255,6 +264,10 @@ class WindowKVPool(RequestSlots):
     def buffers(self) -> list[torch.Tensor]:
         """Every row tensor the pool holds (the K=V ring of every layer)."""
         return list(self.kv)
+
+    @property
+    def bytes_per_position(self) -> int:
+        return sum(t.shape[2] * t.element_size() for t in self.kv)
 
     @property
     def keep_rows(self) -> int:

@@ -269,7 +269,7 @@ class DraftRuntime:
         """
         self.pool.admit(request_id, seeded(sampling or SamplingParams(), 0, request_id))
         try:
-            with self._phase("draft_context"):
+            with self._phase("draft_prompt"):
                 self.draft.extend(self.pool, [request_id], [prompt_features])
         except RequestError:
             self.pool.release(request_id)

@@ -19,7 +19,8 @@ PHASES = (
     ("verify", "target verify"),
     ("transfer", "transfer (target waiting on draft ranks)"),
     ("sync", "step sync"),
-    ("draft_context", "draft context (fc + K/V)"),
+    ("draft_prompt", "draft context of new prompts (fc + K/V)"),
+    ("draft_context", "draft commit of verified rows (fc + K/V)"),
     ("draft_attention", "draft step outside its MoE (attention, norms, lm_head)"),
     ("moe_dispatch", "draft MoE dispatch"),
     ("moe_experts", "draft MoE router + experts + shared"),
@@ -31,10 +32,14 @@ PHASES = (
 "other" is the run's wall time (the slowest rank's) less the rank's phases, so the rows of every
 rank, and their mean over ranks, sum to the run's wall time."""
 
-DRAFT_RANK_PHASES = ("sync", "draft_context", "draft_attention", "moe_dispatch", "moe_experts", "moe_combine",
+DRAFT_RANK_PHASES = ("sync", "draft_prompt", "draft_context", "draft_attention", "moe_dispatch", "moe_experts", "moe_combine",
                      "draft_step_graph")  # fmt: skip
 """The disaggregated draft ranks' rows: their time is inside the target's "transfer", so they are
 shown under it and left out of the sum."""
+
+ITERATION_PHASES = ("sync", "draft_context", "draft_attention", "moe_dispatch", "moe_experts", "moe_combine",
+                    "draft_step_graph")  # fmt: skip
+"""What an engine pays the draft between two verifies once its requests run (not their prompts')."""
 
 
 class RequestOutcome(msgspec.Struct, kw_only=True):
@@ -318,6 +323,10 @@ def _phase_lines(s: RunSummary) -> list[str]:
         if sec == 0.0:  # a phase this run does not have (transfer when colocated, graph or eager rows)
             continue
         lines.append(f"  {label:<56}{sec:>9.3f} s {100 * sec / (total or 1.0):>6.1f} %")
+    iteration = sum(s.phase_seconds.get(k, 0.0) for k in ITERATION_PHASES)
+    if iteration and s.steps:
+        lines.append(f"draft iteration (step sync + commit + propose): {1e3 * iteration / s.steps:.3f} ms per step "
+                     f"over {s.steps} steps (compare `epdraft bench iteration` at the same requests per rank)")
     if s.draft_rank_seconds:
         lines.append("  of which the draft ranks (mean, inside the transfer row):")
         for key, label in PHASES:

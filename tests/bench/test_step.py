@@ -54,7 +54,7 @@ def test_plot_from_json_with_only_attention_rows_is_refused(tmp_path, capsys):
     results, out = tmp_path / "attention.jsonl", tmp_path / "step.png"
     _write(results, [r for r in _rows() if r["kind"] == "attention"])
     assert _bench("--from-json", str(results), "--plot", str(out)) == 2
-    assert "no step results to draw (attention rows are not plotted)" in capsys.readouterr().err
+    assert "no step results to draw (other rows are not plotted)" in capsys.readouterr().err
     assert not out.exists()
 
 

@@ -1,0 +1,123 @@
+"""The commit on the GPU program (issue 33): the context commit replayed from its CUDA graph leaves
+the pool bit for bit as the same `write_context` run eagerly on the same padded shapes, for a
+DFlash draft's K/V pool and a DeepSeek V4.1 DSpark draft's ring (past its window), with no host
+sync inside a replay; and an embedded DraftRuntime's whole iteration (propose with the engine's
+counts, then commit) under graphs never synchronizes the host."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from epdraft.bench.step import RandomHeads
+from epdraft.models import load_draft
+from epdraft.runtime.graphs import CommitGraphs
+from tests.gpu.test_draft_step import _draft
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _deepseek_draft(tmp_path: Path):
+    made = subprocess.run([sys.executable, str(REPO / "tools" / "make_deepseek_dspark_draft.py"), str(tmp_path / "draft"),
+                           "--v41"], capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    return load_draft(tmp_path / "draft", dtype=torch.bfloat16, device="cuda").eval()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", ["dflash", "dspark_v4"])
+def test_commit_graph_equals_eager_write_context_without_host_sync(family, tmp_path):
+    draft = _draft()[1] if family == "dflash" else _deepseek_draft(tmp_path)
+    spec, R, bucket, n = draft.spec, draft.num_drafts + 1, 4, 3
+    width = spec.num_target_features * spec.hidden_size
+    eager, graphed = (draft.new_pool(max_requests=bucket, max_context=40 * R + 64) for _ in range(2))
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    prompts = [torch.randn(r, width, generator=gen, device="cuda").bfloat16() for r in (2, 9, 33)]
+    for pool in (eager, graphed):
+        for rid in range(n):
+            pool.admit(rid)
+        draft.extend(pool, list(range(n)), prompts)
+    graphs = CommitGraphs(lambda s, c, f: draft.write_context(graphed, s, c, f), pad_slot=graphed.pad_slot,
+                          buckets=(1, 2, 4), rows_per_request=R, width=width, dtype=graphed.dtype,
+                          device=torch.device("cuda"))  # fmt: skip
+    slots = [graphed.slot(r) for r in range(n)]
+    for step in range(40):
+        counts = [1 + (step * 7 + 3 * i) % R for i in range(n)]
+        rows = torch.randn(sum(counts), width, generator=gen, device="cuda").bfloat16()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graphs.run(slots, counts, rows)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        padded = torch.zeros(bucket * R, width, dtype=rows.dtype, device="cuda")
+        padded[: rows.shape[0]] = rows
+        draft.write_context(eager, torch.tensor(slots + [eager.pad_slot] * (bucket - n), device="cuda"),
+                            torch.tensor(counts + [0] * (bucket - n), device="cuda"), padded)  # fmt: skip
+        for rid, c in zip(range(n), counts):
+            eager.book(rid, c)
+            graphed.book(rid, c)
+    assert torch.equal(graphed.lengths, eager.lengths)
+    assert graphed.lengths[:n].tolist() == [graphed.length(r) for r in range(n)]
+    for got, want in zip(graphed.buffers, eager.buffers):
+        assert torch.equal(got[:n], want[:n])
+
+
+def _iteration_without_sync(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from epdraft.config.parallel import parallel_config_from_dict
+    from epdraft.parallel.groups import Groups
+    from epdraft.runtime import DraftRuntime, MoeLayout
+    from epdraft.target.base import VerifyResult
+
+    from epdraft.models import read_draft_spec
+
+    path = REPO / "epdraft" / "assets" / "tiny-draft"
+    spec = read_draft_spec(path)
+    heads = RandomHeads(spec.vocab_size, spec.hidden_size, dtype=torch.bfloat16, device=torch.device("cuda"))
+    everyone = dist.new_group([0])
+    groups = Groups.from_process_groups(moe=everyone, attn_dp=everyone, cpu=everyone, ep_size=1, tp_size=1)
+    pc = parallel_config_from_dict({"cluster": {"nnodes": 1, "nproc_per_node": 1, "device": "cuda"},
+                                    "draft": {"attn_dp": 1, "moe_layout": "replicated"}, "target": {"dp": 1}})  # fmt: skip
+    runtime = DraftRuntime.build(path, heads, groups=groups, layout=MoeLayout.resolve(pc, spec.ffn, groups), spec=spec,
+                                 max_requests=8, max_context=2048, device="cuda", graphs=True)  # fmt: skip
+    try:
+        runtime.warm_up()
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        width, B = spec.num_target_features * spec.hidden_size, spec.block_size
+        ids = list(range(5))
+        for rid in ids:
+            runtime.add_request(rid, torch.randn(40 + rid, width, generator=gen, device="cuda").bfloat16())
+        anchors = {r: 7 * r + 1 for r in ids}
+        for step in range(20):
+            lens = [1 + (step + r) % B for r in ids]
+            result = VerifyResult(
+                request_ids=tuple(ids), accept_lens=torch.tensor(lens) - 1, bonus=torch.ones(len(ids), dtype=torch.long),
+                commit_lens=torch.tensor(lens), committed_ids=torch.zeros(sum(lens), dtype=torch.long),
+                features=torch.randn(sum(lens), width, generator=gen, device="cuda").bfloat16(),
+            )  # fmt: skip
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                proposal = runtime.propose(step, anchors, counts=[len(ids) * B])
+                runtime.commit(result)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert sorted(proposal.drafts) == ids
+        torch.cuda.synchronize()
+        expected = [40 + r + sum(1 + (s + r) % B for s in range(20)) for r in ids]
+        return {"host": [runtime.pool.length(r) for r in ids], "device": runtime.pool.lengths[: len(ids)].tolist(),
+                "expected": expected}
+    finally:
+        runtime.close()
+
+
+def test_embedded_iteration_under_graphs_never_syncs_the_host():
+    lengths = run_ranks(1, _iteration_without_sync, timeout_s=300)[0]
+    assert lengths["host"] == lengths["device"] == lengths["expected"]
