@@ -16,6 +16,9 @@ what only the commit touches: the features' projection (fc / main_proj), the com
 features read and their K/V written to the pool (the K/V projections both read are counted once).
 Prints a table and one JSON line per point (`--json FILE` appends); `--plot FILE.png` draws the
 iteration's graph time and floor against N (`--from-json FILE --plot OUT.png` from a saved file).
+`kernels` / `busy ms`: the CUDA kernels of one commit (its `write_context` eagerly, at the graph's
+padded shapes, launched without PDL) and their summed device time; `--profile K` lists the K
+costliest after the table.
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ import torch
 
 from epdraft.bench.ceilings import memory_bytes_per_s
 from epdraft.bench.step import (
-    DSPARK_PRESETS, PRESETS, TENSOR_FLOPS, _ints, _plot, _pyplot, _read_results, _time_alternately_ms, floor_seconds,
-    preset_draft_config, random_draft, touched_experts,
+    DSPARK_PRESETS, PRESETS, TENSOR_FLOPS, _ints, _plot, _profile, _pyplot, _read_results, _time_alternately_ms,
+    floor_seconds, preset_draft_config, random_draft, touched_experts,
 )  # fmt: skip
 from epdraft.dispatch import StepPlan
 from epdraft.errors import ConfigError
+from epdraft.kernels import launch
 
 WHAT = "draft iteration (commit + propose)"
 
@@ -44,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", default="1024,8192", help="context rows per request, comma list")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--profile", type=int, default=0, metavar="K",
+                        help="after the table, the K kernels that take the most time in one commit, per point")
     parser.add_argument("--json", type=Path, help="append the JSON lines to this file")
     parser.add_argument("--plot", type=Path, help="write iteration time vs N against the floor to this PNG")
     parser.add_argument("--from-json", type=Path, metavar="FILE",
@@ -77,6 +83,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     plt = _pyplot(args.plot) if args.plot else None
     requests, contexts = _ints(args.requests, "--requests"), _ints(args.context, "--context")
+    if args.profile < 0:
+        raise ConfigError(f"--profile {args.profile}: the number of kernels to list must be >= 0")
     if not torch.cuda.is_available():
         raise ConfigError("epdraft bench iteration times the GPU iteration: it needs CUDA")
     spec = DraftModelSpec.from_config(read_config_json(args.draft) if args.draft else preset_draft_config(args.preset))
@@ -89,9 +97,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"draft {label}: H {spec.hidden_size}, {spec.num_layers} layers, block {B}, commits 1..{R} rows per request, "
           f"bf16, {torch.cuda.get_device_name()}; floor at the {ceiling}")
     print(f"{'N':>5}{'context':>9}{'rows':>6}{'commit ms':>11}{'propose ms':>11}{'prop floor':>11}{'prop/floor':>11}"
-          f"{'graph ms':>10}{'eager ms':>10}{'floor ms':>10}{'graph/floor':>12}")  # fmt: skip
+          f"{'graph ms':>10}{'eager ms':>10}{'floor ms':>10}{'graph/floor':>12}{'kernels':>9}{'busy ms':>9}")  # fmt: skip
     gen = torch.Generator(device=device).manual_seed(1)
-    results = []
+    results, profiles = [], []
     for context in contexts:
         pool = draft.new_pool(max_requests=max(requests), max_context=context + R)
         for slot in range(max(requests)):
@@ -147,6 +155,14 @@ def main(args: argparse.Namespace) -> int:
                     [commit_graph, propose_graph, iteration_graph, iteration_eager], args.steps, args.warmup, before=reset
                 )  # fmt: skip
                 reset()
+                counts, rows = outcomes[0]
+                padded = torch.zeros(n * R, width, dtype=pool.dtype, device=device)
+                padded[: rows.shape[0]] = rows
+                counts_N = torch.tensor(counts, device=device)
+                with launch.pdl_off():  # a PDL kernel's time would count its wait for the one before
+                    kernels, busy_us, top = _profile(lambda: draft.write_context(pool, slots_N, counts_N, padded),
+                                                     args.profile)  # fmt: skip
+                reset()
                 touched = touched_experts(draft, lambda: draft.step(pool, slots_N, anchors_N, heads, plan))
             step_s, step_bytes, step_flops = floor_seconds(draft, heads, n, context, bytes_per_s, touched)
             mean_rows = sum(sum(c) for c, _ in outcomes) / len(outcomes)
@@ -157,12 +173,20 @@ def main(args: argparse.Namespace) -> int:
             row = dict(kind="iteration", preset=label, requests=n, context=context, rows_per_request=mean_rows / n,
                        commit_graph_ms=commit, propose_graph_ms=propose, propose_floor_ms=propose_floor, graph_ms=graph,
                        eager_ms=eager, floor_ms=floor, bytes=int(nbytes), flops=flops, experts_touched=touched,
+                       commit_kernels=kernels, commit_busy_ms=busy_us / 1e3,
                        device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
             results.append(row)
             print(f"{n:>5}{context:>9}{mean_rows / n:>6.1f}{commit:>11.3f}{propose:>11.3f}{propose_floor:>11.3f}"
-                  f"{propose / propose_floor:>11.2f}{graph:>10.3f}{eager:>10.3f}{floor:>10.3f}{graph / floor:>12.2f}")  # fmt: skip
+                  f"{propose / propose_floor:>11.2f}{graph:>10.3f}{eager:>10.3f}{floor:>10.3f}{graph / floor:>12.2f}"
+                  f"{kernels:>9}{busy_us / 1e3:>9.3f}")  # fmt: skip
+            if args.profile:
+                profiles.append((n, context, busy_us, top))
         del step_graphs, commit_graphs, pool
         torch.cuda.empty_cache()
+    for n, context, busy_us, top in profiles:
+        print(f"top kernels of one commit, N {n}, context {context} ({busy_us:.0f} µs of kernels):")
+        for name, calls, us in top:
+            print(f"{calls:>6} x {us / calls:>7.1f} µs = {us:>8.1f} µs  {name[:100]}")
     for row in results:
         print(json.dumps(row))
     if args.json:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epdraft.kernels.step.attention import block_attention, block_attention_reference, sliding_block_attention
-from epdraft.kernels.step.ops import qk_norm_rope_store, rms_norm
+from epdraft.kernels.step.ops import kv_norm_rope_store, qk_norm_rope_store, rms_norm
 from epdraft.layers.projection import project
 from epdraft.layers.step_kernels import StepKernels
 
@@ -148,6 +148,18 @@ class DFlashAttention(nn.Module):
         """K/V [N, g, L, D] of the fused target hidden [N, L, H] at positions [N, L] (k: normed + RoPE).
         rope: `rope_cos_sin(positions_NL, ...)` when the caller made it once for every layer."""
         return self._kv(target_hidden_NLH, positions_NL, rope)
+
+    def store_context(
+        self, hidden_TH: torch.Tensor, positions_T: torch.Tensor, slots_T: torch.Tensor, pool_k_PgCD: torch.Tensor,
+        pool_v_PgCD: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """`context_kv` of T context rows written straight into a pool at (slots_T, positions_T) with
+        the Triton step ops: the K/V projections, then one launch for k's norm and rotary and both
+        writes (`kv_norm_rope_store`). No host sync."""
+        cos, sin = self.rope_table(pool_k_PgCD.shape[2], hidden_TH.device)
+        k_TX, v_TX = project(self.kernels, hidden_TH, self.k_proj, self.v_proj)
+        kv_norm_rope_store(k_TX, v_TX, self.k_norm.weight, self.k_norm.eps, cos, sin, positions_T, slots_T,
+                           pool_k_PgCD, pool_v_PgCD)  # fmt: skip
 
     def forward(
         self,

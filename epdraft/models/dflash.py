@@ -254,12 +254,16 @@ class DFlashDraft(nn.Module):
         which then advance. N >= 1; shapes depend on N and T only and nothing waits for the
         host: a CUDA graph can hold it (`CommitGraphs`). The host's lengths are the caller's (`pool.append`)."""
         slot_T, position_T = pool.placement(slots_N, counts_N, features_TF.shape[0])
-        hidden_1TH = self.fuse_features(features_TF).unsqueeze(0)
-        attn = self.layers[0].self_attn  # every layer rotates alike: one rotary table for all
-        rope = rope_cos_sin(position_T.unsqueeze(0), attn.head_dim, attn.rope_theta)
-        for layer_id, layer in enumerate(self.layers):
-            k, v = layer.self_attn.context_kv(hidden_1TH, position_T.unsqueeze(0), rope)
-            pool.store(layer_id, slot_T, position_T, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        hidden_TH = self.fuse_features(features_TF)
+        if self.kernels.step_ops == "triton":
+            for layer_id, layer in enumerate(self.layers):
+                layer.self_attn.store_context(hidden_TH, position_T, slot_T, pool.k[layer_id], pool.v[layer_id])
+        else:
+            attn = self.layers[0].self_attn  # every layer rotates alike: one rotary table for all
+            rope = rope_cos_sin(position_T.unsqueeze(0), attn.head_dim, attn.rope_theta)
+            for layer_id, layer in enumerate(self.layers):
+                k, v = layer.self_attn.context_kv(hidden_TH.unsqueeze(0), position_T.unsqueeze(0), rope)
+                pool.store(layer_id, slot_T, position_T, k[0].transpose(0, 1), v[0].transpose(0, 1))
         pool.advance(slots_N, counts_N)
 
     @torch.no_grad()

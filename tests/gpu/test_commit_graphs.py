@@ -69,6 +69,36 @@ def test_commit_graph_equals_eager_write_context_without_host_sync(family, tmp_p
         assert torch.equal(got[:n], want[:n])
 
 
+@torch.no_grad()
+def test_triton_write_context_equals_the_torch_chain():
+    """The commit's K/V launches (projections + `kv_norm_rope_store`) write what the torch chain
+    writes (the CPU path), within one bf16 rounding."""
+    from epdraft.layers.step_kernels import StepKernels
+
+    draft = _draft()[1]
+    assert draft.kernels.step_ops == "triton"
+    spec, R = draft.spec, draft.num_drafts + 1
+    width = spec.num_target_features * spec.hidden_size
+    pools = [draft.new_pool(max_requests=4, max_context=200) for _ in range(2)]
+    for pool in pools:
+        for rid in range(3):
+            pool.admit(rid)
+    slots, counts = torch.tensor([0, 1, 2, 4], device="cuda"), torch.tensor([R, 1, 5, 0], device="cuda")
+    rows = torch.randn(4 * R, width, device="cuda").bfloat16()
+    draft.write_context(pools[0], slots, counts, rows)
+    saved = [(m, m.kernels) for m in draft.modules() if hasattr(m, "kernels")]
+    try:
+        for m, _ in saved:
+            m.kernels = StepKernels.reference()
+        draft.write_context(pools[1], slots, counts, rows)
+    finally:
+        for m, kernels in saved:
+            m.kernels = kernels
+    assert torch.equal(pools[0].lengths, pools[1].lengths)
+    for got, want in zip(pools[0].buffers, pools[1].buffers):
+        torch.testing.assert_close(got[:3].float(), want[:3].float(), rtol=2**-7, atol=1e-2)
+
+
 def _iteration_without_sync(rank: int, world: int) -> dict:
     import torch.distributed as dist
 

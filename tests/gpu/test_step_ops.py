@@ -68,6 +68,29 @@ def test_qk_norm_rope_store_equals_norm_rope_and_pool_writes(dtype, N, B, h, g, 
     assert not pool_k.permute(0, 2, 1, 3)[untouched].any() and not pool_v.permute(0, 2, 1, 3)[untouched].any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,g,D", [(1, 8, 128), (37, 2, 64), (300, 3, 128)])
+def test_kv_norm_rope_store_equals_context_kv_and_pool_writes(dtype, T, g, D):
+    attn = DFlashAttention(64, g, g, D, rms_norm_eps=1e-6, rope_theta=1e6, dtype=dtype, device="cuda")
+    torch.nn.init.normal_(attn.k_norm.weight)
+    P, C = 5, 9000
+    pool_k = torch.zeros(P, g, C, D, dtype=dtype, device="cuda")
+    pool_v = torch.zeros_like(pool_k)
+    cells = torch.randperm(P * C, device="cuda")[:T]  # distinct (slot, position) per row, as `placement` gives
+    slots, positions = cells // C, cells % C
+    k = torch.randn(T, g * D, device="cuda").to(dtype)
+    v = torch.randn(T, g * D, device="cuda").to(dtype)
+    cos, sin = attn.rope_table(C, torch.device("cuda"))
+    step_ops.kv_norm_rope_store(k, v, attn.k_norm.weight, 1e-6, cos, sin, positions, slots, pool_k, pool_v)
+    rc, rs = rope_cos_sin(positions.unsqueeze(0), D, 1e6)
+    ref_k = apply_rope(attn.k_norm.reference(k.view(1, T, g, D)).transpose(1, 2), rc, rs)[0].transpose(0, 1)
+    _close(pool_k[slots, :, positions], ref_k, dtype)
+    assert torch.equal(pool_v[slots, :, positions], v.view(T, g, D))
+    untouched = torch.ones(P, C, dtype=torch.bool, device="cuda")
+    untouched[slots, positions] = False
+    assert not pool_k.permute(0, 2, 1, 3)[untouched].any() and not pool_v.permute(0, 2, 1, 3)[untouched].any()
+
+
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "sqrtsoftplus", "softmax_topk"])
 @pytest.mark.parametrize("E,K", [(8, 2), (128, 3), (256, 8), (60, 1)])
 def test_topk_route_equals_route(scoring, E, K):

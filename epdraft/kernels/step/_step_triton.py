@@ -85,14 +85,47 @@ def qk_rope_store_kernel(
     _norm_rotate_store(q_ptr + row * stride_q, qw_ptr, cos, sin, q_out_ptr + row * stride_qo, D, NUM_Q, D, eps,
                        Q_P, HALF_P)  # fmt: skip
     slot = tl.load(slots_ptr + row // B).to(tl.int64)
-    _norm_rotate_store(k_ptr + row * stride_k, kw_ptr, cos, sin, pool_k_ptr + slot * stride_pp + pos * stride_pc,
+    _store_kv(k_ptr + row * stride_k, v_ptr + row * stride_v, kw_ptr, cos, sin, slot, pos, pool_k_ptr, pool_v_ptr,
+              stride_pp, stride_pg, stride_pc, stride_vp, stride_vg, stride_vc, eps, NUM_KV, D, KV_P, HALF_P, D_P)  # fmt: skip
+
+
+@triton.jit
+def _store_kv(
+    k_src, v_src, kw_ptr, cos, sin, slot, pos, pool_k_ptr, pool_v_ptr,
+    stride_pp, stride_pg, stride_pc, stride_vp, stride_vg, stride_vc, eps,
+    NUM_KV: tl.constexpr, D: tl.constexpr, KV_P: tl.constexpr, HALF_P: tl.constexpr, D_P: tl.constexpr,
+):  # fmt: skip
+    """One row's KV heads into the pool at (slot, pos): k normed and rotated, v as is."""
+    _norm_rotate_store(k_src, kw_ptr, cos, sin, pool_k_ptr + slot * stride_pp + pos * stride_pc,
                        stride_pg, NUM_KV, D, eps, KV_P, HALF_P)  # fmt: skip
     j = tl.arange(0, KV_P).to(tl.int64)
     d = tl.arange(0, D_P)
     ok = (j < NUM_KV)[:, None] & (d < D)[None, :]
-    v = tl.load(v_ptr + row * stride_v + j[:, None] * D + d[None, :], mask=ok)
+    v = tl.load(v_src + j[:, None] * D + d[None, :], mask=ok)
     v_dst = pool_v_ptr + slot * stride_vp + pos * stride_vc + j[:, None] * stride_vg + d[None, :]
     tl.store(v_dst, v.to(pool_v_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def kv_rope_store_kernel(
+    k_ptr, v_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, pool_k_ptr, pool_v_ptr,
+    stride_k, stride_v, stride_tab,
+    stride_pp, stride_pg, stride_pc, stride_vp, stride_vg, stride_vc,
+    eps,
+    NUM_KV: tl.constexpr, D: tl.constexpr, KV_P: tl.constexpr, HALF_P: tl.constexpr, D_P: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """One context row: its KV heads, k normed and rotated at the row's position and v as is, into
+    the pool at the row's own (slot, position) (a commit's rows, `RequestSlots.placement`)."""
+    enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, HALF_P)
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * stride_tab + i, mask=i < D // 2, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_tab + i, mask=i < D // 2, other=0.0)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    _store_kv(k_ptr + row * stride_k, v_ptr + row * stride_v, kw_ptr, cos, sin, slot, pos, pool_k_ptr, pool_v_ptr,
+              stride_pp, stride_pg, stride_pc, stride_vp, stride_vg, stride_vc, eps, NUM_KV, D, KV_P, HALF_P, D_P)  # fmt: skip
 
 
 @triton.jit

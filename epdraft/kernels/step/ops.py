@@ -129,6 +129,51 @@ def qk_norm_rope_store(
     return q_out
 
 
+def kv_norm_rope_store(
+    k_TX: torch.Tensor,
+    v_TX: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    cos_CR: torch.Tensor,
+    sin_CR: torch.Tensor,
+    positions_T: torch.Tensor,
+    slots_T: torch.Tensor,
+    pool_k_PgCD: torch.Tensor,
+    pool_v_PgCD: torch.Tensor,
+) -> None:
+    """Context rows' K/V into a pool in one launch: row t's k normed (`RMSNorm`) and rotated
+    (`apply_rope`) at positions_T[t], and its v, written to pool row positions_T[t] of slot
+    slots_T[t]: `DFlashAttention.context_kv` then `KVPool.store`. k_TX / v_TX [T, g*D] (the
+    projections' outputs); cos_CR / sin_CR as `qk_norm_rope_store` takes them."""
+    launch.refuse_autograd("kv_norm_rope_store", k_TX, v_TX)
+    from epdraft.kernels.step._step_triton import kv_rope_store_kernel
+
+    D = k_norm_weight.shape[0]
+    g = k_TX.shape[1] // D
+    if v_TX.shape[1] != g * D or k_TX.shape[1] != g * D or pool_k_PgCD.shape[1] != g or pool_k_PgCD.shape[3] != D:
+        raise ConfigError(
+            f"kv_norm_rope_store: k {tuple(k_TX.shape)}, v {tuple(v_TX.shape)}, pool {tuple(pool_k_PgCD.shape)}: "
+            f"expected widths g*D and a pool [P, g, C, D] for D = {D}"
+        )
+    if pool_k_PgCD.dtype != k_TX.dtype or cos_CR.dtype != torch.float32:
+        raise ConfigError(
+            f"kv_norm_rope_store: k is {k_TX.dtype}, the pool {pool_k_PgCD.dtype}, the rotary table {cos_CR.dtype}: "
+            "the kernel rounds where the torch chain does only for a pool in the model's dtype and an fp32 table"
+        )
+    if any(t.stride(-1) != 1 for t in (k_TX, v_TX, pool_k_PgCD, pool_v_PgCD, cos_CR, sin_CR)):
+        raise ConfigError("kv_norm_rope_store: every tensor's last dim must be contiguous")
+    positions_T, slots_T = positions_T.contiguous(), slots_T.contiguous()
+    if positions_T.shape[0]:
+        kv_rope_store_kernel[(positions_T.shape[0],)](
+            k_TX, v_TX, k_norm_weight, cos_CR, sin_CR, positions_T, slots_T, pool_k_PgCD, pool_v_PgCD,
+            k_TX.stride(0), v_TX.stride(0), cos_CR.stride(0),
+            *pool_k_PgCD.stride()[:3], *pool_v_PgCD.stride()[:3],
+            eps,
+            NUM_KV=g, D=D, KV_P=next_pow2(g), HALF_P=next_pow2(D // 2), D_P=next_pow2(D), num_warps=4,
+            **launch.kwargs(k_TX.device),
+        )  # fmt: skip
+
+
 def merge_attention_splits(acc: torch.Tensor, stat: torch.Tensor, out_NBhD: torch.Tensor, G: int, B: int) -> None:
     """Write the block attention's output [N, B, h, D] from its key splits (acc [N, g, splits,
     rows, D] unnormalized sums, stat [..., rows, 2] = each split's row max m_s and row sum l_s):
