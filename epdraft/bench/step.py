@@ -215,7 +215,7 @@ def _context_read(draft, n: int, context: int) -> tuple[int, float]:
     return L * n * seen * row_bytes, L * 4.0 * n * B * keys * spec.num_heads * spec.head_dim
 
 
-def _time_alternately_ms(fns, steps: int, warmup: int) -> list[float]:
+def time_alternately_ms(fns, steps: int, warmup: int) -> list[float]:
     """Median ms (CUDA events) of each of `fns`, timed in turn (a, b, a, b, ...): a clock or thermal
     drift during the run moves them alike, so their ratio is what a side-by-side comparison means."""
     for _ in range(warmup):
@@ -234,7 +234,7 @@ def _time_alternately_ms(fns, steps: int, warmup: int) -> list[float]:
 
 
 def _time_ms(fn, steps: int, warmup: int) -> float:
-    return _time_alternately_ms([fn], steps, warmup)[0]
+    return time_alternately_ms([fn], steps, warmup)[0]
 
 
 def kernel_breakdown(kernels: list[tuple[str, float]], top: int) -> tuple[int, float, list[tuple[str, int, float]]]:
@@ -342,7 +342,7 @@ def main(args: argparse.Namespace) -> int:
                 sampled = greedy = None
                 if sampling is not None:
                     readout = Readout.of([sampling])
-                    greedy, sampled = _time_alternately_ms(
+                    greedy, sampled = time_alternately_ms(
                         [lambda: graphs.run(slot_list, anchor_list, plan),
                          lambda: graphs.run(slot_list, anchor_list, plan, readout=readout)], args.steps, args.warmup,
                     )  # fmt: skip
