@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -145,11 +146,16 @@ class RandomHeads(torch.nn.Module):
 
 
 def floor_seconds(
-    draft, heads: RandomHeads, n: int, context: int, bytes_per_s: float, touched: list[int] | None = None
+    draft, heads: RandomHeads, n: int, context: int, bytes_per_s: float, touched: list[int] | None = None,
+    nbytes: Callable[[str, torch.Tensor], int] | None = None,
 ) -> tuple[float, int, float]:
     """(floor s, bytes, FLOPs) of one step over n requests of `context` rows, from the shapes, at
     `bytes_per_s` of memory (`ceilings.memory_bytes_per_s`). `touched`: the distinct experts each MoE
-    layer's routing picked (`touched_experts`); None: the count uniform routing would expect."""
+    layer's routing picked (`touched_experts`); None: the count uniform routing would expect. Each tensor
+    counts the bytes it is held in (a quantized expert's values and scales, `drafts.expert_bytes`);
+    `nbytes(name, tensor)` counts the non-expert tensors otherwise (`drafts.released_bytes`: as released).
+    FLOPs come from the logical shapes, whatever the storage."""
+    from epdraft.bench.drafts import expert_bytes
     from epdraft.layers.moe import DraftMoE
 
     spec, B = draft.spec, draft.block_size
@@ -157,10 +163,10 @@ def floor_seconds(
     rows = n * B
     # The target features' projection runs on the context (extend), not in the step.
     features = "main_proj." if spec.deepseek is not None else "fc."
-    expert_bytes, other_bytes, flops = 0.0, 0, 0.0
+    expert_total, other_bytes, flops = 0.0, 0, 0.0
     for name, p in draft.named_parameters():
         if ".experts." not in name and not name.startswith(features):
-            other_bytes += p.numel() * p.element_size()
+            other_bytes += nbytes(name, p) if nbytes is not None else p.numel() * p.element_size()
             if p.dim() == 2:
                 flops += 2 * rows * p.numel()
     for m in draft.modules():
@@ -168,13 +174,12 @@ def floor_seconds(
             E, K = m.spec.num_experts, m.spec.top_k
             hit = touched[moe_index] if touched is not None else E * (1 - (1 - 1 / E) ** (rows * K))
             moe_index += 1
-            per_expert = sum(p[0].numel() * p.element_size() for p in (m.experts.w13, m.experts.w2))
-            expert_bytes += hit * per_expert
-            flops += 2 * rows * K * per_expert / m.experts.w13.element_size()
+            expert_total += hit * expert_bytes(m.experts)
+            flops += 2 * rows * K * 3 * m.experts.shard.slice_size * m.experts.shard.hidden_size
     kv_bytes, attn_flops = _context_read(draft, n, context)
     head_bytes = heads.head.weight.numel() * heads.head.weight.element_size()
     flops += attn_flops + 2 * rows * heads.head.weight.numel()
-    total = other_bytes + expert_bytes + kv_bytes + head_bytes
+    total = other_bytes + expert_total + kv_bytes + head_bytes
     return max(total / bytes_per_s, flops / TENSOR_FLOPS), int(total), flops
 
 
