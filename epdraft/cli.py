@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("epdraft.launch", "launch the worker ranks of a config through torchrun"),
     "check": ("epdraft.check", "print the per-layer FFN plan of a draft config or directory"),
     "plan": ("epdraft.dispatch.planner", "choose the MoE layout for a config and a draft"),
-    "bench": ("epdraft.bench", "benchmarks: dispatch, kernel, step, sync, transfer"),
+    "bench": ("epdraft.bench", "benchmarks: dispatch, iteration, kernel, linear, step, sync, transfer"),
 }
 
 

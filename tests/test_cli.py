@@ -85,7 +85,7 @@ def test_help_lists_every_bench_subcommand(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert e.value.code == 0
     assert f"bench benchmarks: {', '.join(SUBCOMMANDS)}" in out
-    assert list(SUBCOMMANDS) == ["dispatch", "kernel", "step", "sync", "transfer"]
+    assert list(SUBCOMMANDS) == ["dispatch", "iteration", "kernel", "linear", "step", "sync", "transfer"]
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
-"""`epdraft bench dispatch | iteration | kernel | step | sync | transfer`: benchmarks as commands (JSON lines + a table).
+"""`epdraft bench dispatch | iteration | kernel | linear | step | sync | transfer`: benchmarks as commands (JSON lines + a table).
 
 Each sub-command lives in its own module (`epdraft.bench.dispatch`, `.iteration`, `.kernel`,
-`.step`, `.sync`, `.transfer`)
+`.linear`, `.step`, `.sync`, `.transfer`)
 exposing `add_arguments(parser)` and `main(args) -> int`; it is imported only when chosen, so one
 benchmark's heavy or missing dependencies (Triton, Mooncake) never break the others.
 """
@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "dispatch": "MoE dispatch layouts on local CPU ranks: per-phase median step time",
     "iteration": "the engine's draft iteration (commit + propose) on one GPU, graph and eager, against its floor",
     "kernel": "fused-experts kernels against the reference and the memory roofline",
+    "linear": "a DeepSeek draft's FP8 linears: bf16 GEMM on weights dequantized at load vs FP8 GEMM",
     "step": "the whole draft step on one GPU (cache, pooled eager, CUDA graph) against its floor",
     "sync": "the step sync on 2-16 local CPU ranks: median ms per sync against W = 2",
     "transfer": "target-feature transfer between ranks (torch p2p, Mooncake)",

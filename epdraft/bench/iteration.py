@@ -30,10 +30,12 @@ from pathlib import Path
 import torch
 
 from epdraft.bench.ceilings import memory_bytes_per_s
+from epdraft.bench.drafts import random_draft
 from epdraft.bench.step import (
-    DSPARK_PRESETS, PRESETS, TENSOR_FLOPS, _ints, _plot, _profile, _pyplot, _read_results, _time_alternately_ms,
-    floor_seconds, preset_draft_config, random_draft, touched_experts,
+    DSPARK_PRESETS, PRESETS, TENSOR_FLOPS, RandomHeads, _ints, _profile, floor_seconds, preset_draft_config,
+    time_alternately_ms, touched_experts,
 )  # fmt: skip
+from epdraft.bench.step_plot import plot, pyplot, read_results
 from epdraft.dispatch import StepPlan
 from epdraft.errors import ConfigError
 from epdraft.kernels import launch
@@ -79,9 +81,9 @@ def main(args: argparse.Namespace) -> int:
     if args.from_json:
         if args.plot is None:
             raise ConfigError(f"--from-json {args.from_json} draws a plot from saved results: add --plot OUT.png")
-        _plot(_pyplot(args.plot), _read_results(args.from_json), args.plot, kind="iteration", what=WHAT)
+        plot(pyplot(args.plot), read_results(args.from_json), args.plot, kind="iteration", what=WHAT)
         return 0
-    plt = _pyplot(args.plot) if args.plot else None
+    plt = pyplot(args.plot) if args.plot else None
     requests, contexts = _ints(args.requests, "--requests"), _ints(args.context, "--context")
     if args.profile < 0:
         raise ConfigError(f"--profile {args.profile}: the number of kernels to list must be >= 0")
@@ -89,7 +91,9 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("epdraft bench iteration times the GPU iteration: it needs CUDA")
     spec = DraftModelSpec.from_config(read_config_json(args.draft) if args.draft else preset_draft_config(args.preset))
     device = torch.device("cuda", torch.cuda.current_device())
-    draft, heads = random_draft(spec, device)
+    torch.manual_seed(0)
+    draft = random_draft(spec, dtype=torch.bfloat16, device=device)
+    heads = RandomHeads(spec.vocab_size, spec.hidden_size, dtype=torch.bfloat16, device=device)
     B, R = spec.block_size, spec.num_drafts + 1
     width = spec.num_target_features * spec.hidden_size
     label = str(args.draft) if args.draft else args.preset
@@ -151,7 +155,7 @@ def main(args: argparse.Namespace) -> int:
                 draft.step(pool, slots_N, anchors_N, heads, plan)
 
             with torch.no_grad():
-                commit, propose, graph, eager = _time_alternately_ms(
+                commit, propose, graph, eager = time_alternately_ms(
                     [commit_graph, propose_graph, iteration_graph, iteration_eager], args.steps, args.warmup, before=reset
                 )  # fmt: skip
                 reset()
@@ -193,5 +197,5 @@ def main(args: argparse.Namespace) -> int:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)
     if plt is not None:
-        _plot(plt, results, args.plot, kind="iteration", what=WHAT)
+        plot(plt, results, args.plot, kind="iteration", what=WHAT)
     return 0

@@ -13,7 +13,8 @@ Every path runs on the same random routing; the fused and grouped_mm paths are t
 replays (median of `triton.testing.do_bench`), the reference loop eagerly (it synchronizes with the
 host). `fused` is the whole forward; `align` the routing setup alone; `gemms` the fused forward
 without it (both GEMMs and the top-k sum on a precomputed routing setup), the part comparable to
-kernel-only timings of other fused-MoE kernels. Bytes moved = distinct experts hit x 3*I*H*itemsize + x read + y written; the roofline is
+kernel-only timings of other fused-MoE kernels. `--shapes V41F --weights bf16,mxfp4` is DeepSeek-V4.1-Flash's
+draft experts (FP4 as released, held as the kernels' mxfp4) against bf16. Bytes moved = distinct experts hit x 3*I*H*itemsize + x read + y written; the roofline is
 the copy bandwidth measured on this kind of GPU (`bench.ceilings`: 4.3 TB/s on an H200, 3.0 on an H100). With `--tune`, the listed shapes are
 tuned first and their tables written to `--config-dir`, which the benchmark then reads.
 """
@@ -47,8 +48,12 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
     "B": (8, 1536, 4096, 2),
     "C": (128, 2304, 5120, 3),
     "D": (512, 512, 5120, 10),
+    "V41F": (128, 2304, 4096, 3),
 }
-"""Name -> (E experts, I per-expert intermediate, H hidden, k)."""
+"""Name -> (E experts, I per-expert intermediate, H hidden, k). `V41F` is DeepSeek-V4.1-Flash's DSpark
+draft (`bench.step.DSPARK_PRESETS["v41-flash"]`; tests/bench/test_kernel_shapes.py holds them equal):
+the shape whose FP4 experts issue 32 times against bf16 at T <= 128. It has no tuned table shipped
+yet: `--tune V41F` writes one (without, the kernels run the documented default and warn once)."""
 
 
 VARIANTS: dict[str, tuple[str, str, str]] = {

@@ -20,6 +20,14 @@ appends them); `--plot FILE.png` draws graph step time and floor against N (need
 `pip install 'epdraft[plot]'`), and `--from-json FILE --plot OUT.png` draws it from a saved
 `--json` file without running anything (no GPU needed: plot on a machine that has matplotlib).
 
+`--weights bf16,quantized` (a DeepSeek DSpark draft only) builds the draft a second time in DeepSeek's
+released layout as loading holds it (`bench.drafts.quantized_twin`: the same random weights through the
+project's quantizers, in memory: FP4 experts held as the fused kernels' mxfp4, FP8 linears dequantized to
+bf16 at load) and times both side by side (eager and graph steps alternately, CUDA events), each against
+its own floor, counted on the bytes its step reads (mxfp4 experts: values + e8m0 scales); `rel floor` is
+the floor on the released bytes (FP8 linears at one byte + e8m0 block scales): what an FP8 GEMM would
+reach (`epdraft bench linear` times it). The default, `--weights bf16`, is the bf16 draft alone.
+
 `--attention` adds one layer's block attention alone, per point: `triton` (the kernel, reading the
 pool in place), `sdpa` (torch SDPA on K/V already gathered contiguous, a length mask), `flex`
 (torch's flex_attention on the same gathered K/V with a length mask_mod, compiled by torch.compile
@@ -34,12 +42,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 import torch
 
 from epdraft.bench.ceilings import memory_bytes_per_s
+from epdraft.bench.step_plot import plot, pyplot, read_results
 from epdraft.config.sampling import SamplingParams, parse_sampling
 from epdraft.dispatch import StepPlan
 from epdraft.errors import ConfigError
@@ -55,7 +65,7 @@ PRESETS: dict[str, dict] = {
                    vocab=129280, block_size=16),
 }  # fmt: skip
 # DeepSeek-V4.1-Flash's own DSpark draft at its released sizes (issue 31; SpecForge's converted config
-# keys), timed in bf16: its FP8 / FP4 checkpoint layout is issue 32's.
+# keys), timed in bf16 and, with --weights bf16,quantized, also in its released FP8 / FP4 layout (issue 32).
 DSPARK_PRESETS: dict[str, dict] = {
     "v41-flash": {
         "architectures": ["DSparkV4DraftModel"], "model_type": "deepseek_v4_dspark_draft", "block_size": 5,
@@ -96,6 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "temperature (default 0.8; 0 leaves the column out)")
     parser.add_argument("--top-p", type=float, default=1.0, help="the `sampled` column's top-p (default 1: none)")
     parser.add_argument("--top-k", type=int, default=None, help="the `sampled` column's top-k (default none)")
+    parser.add_argument("--weights", default="bf16",
+                        help="comma list: bf16 (the draft in bf16, default) and quantized (a DeepSeek DSpark draft "
+                        "in its released layout as loading holds it: FP4 experts in the fused kernels, FP8 linears "
+                        "dequantized at load), each timed side by side against its own floor")
     parser.add_argument("--json", type=Path, help="append the JSON lines to this file")
     parser.add_argument("--plot", type=Path, help="write step time vs N against the floor to this PNG")
     parser.add_argument("--from-json", type=Path, metavar="FILE",
@@ -144,24 +158,17 @@ class RandomHeads(torch.nn.Module):
         return self.head(hidden)
 
 
-def random_draft(spec, device: torch.device, dtype: torch.dtype = torch.bfloat16):
-    """(draft, heads) of `spec` with random weights (norms 1, the rest N(0, 1/fan-in)), seeded: one replicated rank."""
-    from epdraft.models.protocol import DRAFT_FAMILIES
-
-    torch.manual_seed(0)
-    draft = DRAFT_FAMILIES[spec.kind](spec, dtype=dtype, device=device, dispatcher=None).eval()
-    with torch.no_grad():
-        for name, t in draft.named_parameters():
-            t.fill_(1.0) if name.endswith("norm.weight") else t.normal_(0.0, t.shape[-1] ** -0.5)
-    return draft, RandomHeads(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-
-
 def floor_seconds(
-    draft, heads: RandomHeads, n: int, context: int, bytes_per_s: float, touched: list[int] | None = None
+    draft, heads: RandomHeads, n: int, context: int, bytes_per_s: float, touched: list[int] | None = None,
+    nbytes: Callable[[str, torch.Tensor], int] | None = None,
 ) -> tuple[float, int, float]:
     """(floor s, bytes, FLOPs) of one step over n requests of `context` rows, from the shapes, at
     `bytes_per_s` of memory (`ceilings.memory_bytes_per_s`). `touched`: the distinct experts each MoE
-    layer's routing picked (`touched_experts`); None: the count uniform routing would expect."""
+    layer's routing picked (`touched_experts`); None: the count uniform routing would expect. Each tensor
+    counts the bytes it is held in (a quantized expert's values and scales, `drafts.expert_bytes`);
+    `nbytes(name, tensor)` counts the non-expert tensors otherwise (`drafts.released_bytes`: as released).
+    FLOPs come from the logical shapes, whatever the storage."""
+    from epdraft.bench.drafts import expert_bytes
     from epdraft.layers.moe import DraftMoE
 
     spec, B = draft.spec, draft.block_size
@@ -169,10 +176,10 @@ def floor_seconds(
     rows = n * B
     # The target features' projection runs on the context (extend), not in the step.
     features = "main_proj." if spec.deepseek is not None else "fc."
-    expert_bytes, other_bytes, flops = 0.0, 0, 0.0
+    expert_total, other_bytes, flops = 0.0, 0, 0.0
     for name, p in draft.named_parameters():
         if ".experts." not in name and not name.startswith(features):
-            other_bytes += p.numel() * p.element_size()
+            other_bytes += nbytes(name, p) if nbytes is not None else p.numel() * p.element_size()
             if p.dim() == 2:
                 flops += 2 * rows * p.numel()
     for m in draft.modules():
@@ -180,13 +187,12 @@ def floor_seconds(
             E, K = m.spec.num_experts, m.spec.top_k
             hit = touched[moe_index] if touched is not None else E * (1 - (1 - 1 / E) ** (rows * K))
             moe_index += 1
-            per_expert = sum(p[0].numel() * p.element_size() for p in (m.experts.w13, m.experts.w2))
-            expert_bytes += hit * per_expert
-            flops += 2 * rows * K * per_expert / m.experts.w13.element_size()
+            expert_total += hit * expert_bytes(m.experts)
+            flops += 2 * rows * K * 3 * m.experts.shard.slice_size * m.experts.shard.hidden_size
     kv_bytes, attn_flops = _context_read(draft, n, context)
     head_bytes = heads.head.weight.numel() * heads.head.weight.element_size()
     flops += attn_flops + 2 * rows * heads.head.weight.numel()
-    total = other_bytes + expert_bytes + kv_bytes + head_bytes
+    total = other_bytes + expert_total + kv_bytes + head_bytes
     return max(total / bytes_per_s, flops / TENSOR_FLOPS), int(total), flops
 
 
@@ -227,7 +233,7 @@ def _context_read(draft, n: int, context: int) -> tuple[int, float]:
     return L * n * seen * row_bytes, L * 4.0 * n * B * keys * spec.num_heads * spec.head_dim
 
 
-def _time_alternately_ms(fns, steps: int, warmup: int, before=None) -> list[float]:
+def time_alternately_ms(fns, steps: int, warmup: int, before=None) -> list[float]:
     """Median ms (CUDA events) of each of `fns`, timed in turn (a, b, a, b, ...): a clock or thermal
     drift during the run moves them alike, so their ratio is what a side-by-side comparison means.
     `before()`, when given, runs ahead of every call, outside its events (e.g. resetting state)."""
@@ -251,7 +257,7 @@ def _time_alternately_ms(fns, steps: int, warmup: int, before=None) -> list[floa
 
 
 def _time_ms(fn, steps: int, warmup: int) -> float:
-    return _time_alternately_ms([fn], steps, warmup)[0]
+    return time_alternately_ms([fn], steps, warmup)[0]
 
 
 def kernel_breakdown(kernels: list[tuple[str, float]], top: int) -> tuple[int, float, list[tuple[str, int, float]]]:
@@ -286,103 +292,155 @@ def _sampling_flags(args: argparse.Namespace) -> SamplingParams | None:
     return parse_sampling(flags, "bench step")
 
 
+def _weights_flag(text: str) -> list[str]:
+    """`--weights` as a list of bf16 / quantized, each once; ConfigError naming the flag otherwise."""
+    names = [w for w in text.split(",") if w]
+    if not names or len(set(names)) != len(names) or not set(names) <= {"bf16", "quantized"}:
+        raise ConfigError(f"--weights {text!r}: expected a comma list of bf16, quantized (each once)")
+    return names
+
+
+def _pool_and_graphs(draft, heads, requests: list[int], context: int, sampling, device):
+    """(pool, graphs, no-PDL graphs) of `draft` for one context length: every slot the points use admitted
+    (with the sampled column's params) and filled with a random context, as if extended."""
+    from epdraft.runtime.graphs import StepGraphs
+
+    pool = draft.new_pool(max_requests=max(requests), max_context=context)
+    for slot in range(max(requests)):
+        pool.admit(slot, seeded(sampling or SamplingParams(), 0, slot))
+    for rows in pool.buffers:
+        rows.normal_()
+    pool.lengths.fill_(context)
+    graphs, no_pdl_graphs = (StepGraphs(
+        lambda s, a, plan, readout: draft.step(pool, s, a, heads, plan, readout=readout), pad_slot=pool.pad_slot,
+        buckets=tuple(sorted(set(requests))), block_size=draft.block_size, device=device,
+    ) for _ in range(2))  # fmt: skip
+    return pool, graphs, no_pdl_graphs
+
+
 def main(args: argparse.Namespace) -> int:
+    from epdraft.bench.drafts import plain_config, quantized_twin, random_draft, release_block, release_config
+    from epdraft.bench.drafts import released_bytes
     from epdraft.config.hf import read_config_json
     from epdraft.models.reference import reference_step
     from epdraft.models.spec import DraftModelSpec
-    from epdraft.runtime.graphs import StepGraphs
 
     if args.from_json:
         if args.plot is None:
             raise ConfigError(f"--from-json {args.from_json} draws a plot from saved results: add --plot OUT.png")
-        results = _read_results(args.from_json)
-        _plot(_pyplot(args.plot), results, args.plot)
+        results = read_results(args.from_json)
+        plot(pyplot(args.plot), results, args.plot)
         return 0
-    plt = _pyplot(args.plot) if args.plot else None  # before any timing: a bad --plot fails now, not after the run
+    plt = pyplot(args.plot) if args.plot else None  # before any timing: a bad --plot fails now, not after the run
     requests, contexts = _ints(args.requests, "--requests"), _ints(args.context, "--context")
     if args.profile < 0:
         raise ConfigError(f"--profile {args.profile}: the number of kernels to list must be >= 0")
     sampling = _sampling_flags(args)
-    if not torch.cuda.is_available():
-        raise ConfigError("epdraft bench step times the GPU step: it needs CUDA")
     config = read_config_json(args.draft) if args.draft else preset_draft_config(args.preset)
-    spec = DraftModelSpec.from_config(config)
+    weights = _weights_flag(args.weights)
+    spec = DraftModelSpec.from_config(plain_config(config) if "quantized" in weights else config)
+    if "quantized" in weights and spec.deepseek is None:
+        raise ConfigError(f"--weights quantized builds DeepSeek's released layout (FP4 experts, FP8 linears): a "
+                          f"DeepSeek DSpark (dspark_v4) draft only, e.g. --preset v41-flash; this one is {spec.kind!r}")
     if spec.deepseek is not None and args.attention:
         raise ConfigError("--attention times the DFlash block-attention kernel; a DeepSeek DSpark (dspark_v4) "
                           "draft's attention has no kernel of its own yet")  # fmt: skip
+    if not torch.cuda.is_available():
+        raise ConfigError("epdraft bench step times the GPU step: it needs CUDA")
     cache_path = not args.no_cache_path and spec.deepseek is None  # DSpark V4 has no cache-based step
-    device = torch.device("cuda", torch.cuda.current_device())
-    draft, heads = random_draft(spec, device)
+    device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+    torch.manual_seed(0)
+    drafts = {"bf16": random_draft(spec, dtype=dtype, device=device)}
+    released = None  # bytes as DeepSeek releases them: the floor an FP8 GEMM would reach
+    if "quantized" in weights:
+        qconfig = config if "quantization_config" in config else release_config(config, release_block(spec))
+        qspec = DraftModelSpec.from_config(qconfig)
+        drafts["quantized"] = quantized_twin(drafts["bf16"], qspec)
+        released = released_bytes(qspec.ffn.quantization.block[0])
+    drafts = {w: drafts[w] for w in weights}
+    heads = RandomHeads(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
     B, results = spec.block_size, []
     label = str(args.draft) if args.draft else args.preset
-    params = sum(p.numel() for p in draft.parameters()) / 1e9
     bytes_per_s, ceiling = memory_bytes_per_s(torch.cuda.get_device_name())
-    print(f"draft {label}: H {spec.hidden_size}, {spec.num_layers} layers, block {B}, {params:.2f}B parameters, "
-          f"bf16, {torch.cuda.get_device_name()}; floor at the {ceiling}")
-    print(f"{'N':>5}{'context':>9}{'cache ms':>10}{'eager ms':>10}{'graph ms':>10}{'no-pdl ms':>10}{'floor ms':>10}"
-          f"{'graph/floor':>12}{'cache/graph':>12}{'kernels':>9}{'busy ms':>9}{'sampled ms':>11}{'sampled/graph':>14}")  # fmt: skip
+    for w, draft in drafts.items():
+        params = sum(p.numel() for p in draft.parameters()) / 1e9
+        held = sum(p.numel() * p.element_size() for p in draft.parameters()) / 1e9
+        print(f"draft {label} ({w}): H {spec.hidden_size}, {spec.num_layers} layers, block {B}, {params:.2f}B stored "
+              f"values, {held:.2f} GB held, {torch.cuda.get_device_name()}; floor at the {ceiling}; kernels: "
+              f"{draft.kernels.label}" + (f"; {draft.kernels.dequantized}" if draft.kernels.dequantized else ""))
+    wide = released is not None  # the weights column and the floor on released bytes
+    print(f"{'N':>5}{'context':>9}" + (f"{'weights':>10}" if wide else "") + f"{'cache ms':>10}{'eager ms':>10}"
+          f"{'graph ms':>10}{'no-pdl ms':>10}{'floor ms':>10}{'graph/floor':>12}"
+          + (f"{'rel floor':>10}{'graph/rel':>10}" if wide else "") + f"{'cache/graph':>12}{'kernels':>9}"
+          f"{'busy ms':>9}{'sampled ms':>11}{'sampled/graph':>14}")  # fmt: skip
     profiles = []
     for context in contexts:
-        pool = draft.new_pool(max_requests=max(requests), max_context=context)
-        for slot in range(max(requests)):  # the slots the points use, each with the sampled column's params
-            pool.admit(slot, seeded(sampling or SamplingParams(), 0, slot))
-        for rows in pool.buffers:  # a random context in every slot, as if extended
-            rows.normal_()
-        pool.lengths.fill_(context)
-        graphs, no_pdl_graphs = (StepGraphs(
-            lambda s, a, plan, readout: draft.step(pool, s, a, heads, plan, readout=readout), pad_slot=pool.pad_slot,
-            buckets=tuple(sorted(set(requests))), block_size=B, device=device,
-        ) for _ in range(2))  # fmt: skip
+        state = {w: _pool_and_graphs(d, heads, requests, context, sampling, device) for w, d in drafts.items()}
         for n in requests:
             slots = torch.arange(n, device=device)
             anchors = torch.randint(0, spec.vocab_size - 1, (n,), device=device)
             plan = StepPlan(step=0, ranks=(0,), counts=(n * B,))
-            with torch.no_grad():
-                eager = _time_ms(lambda: draft.step(pool, slots, anchors, heads, plan), args.steps, args.warmup)
-                with launch.pdl_off():  # a PDL kernel's time would count its wait for the one before
-                    kernels, busy_us, top = _profile(lambda: draft.step(pool, slots, anchors, heads, plan),
-                                                     args.profile)  # fmt: skip
-                slot_list, anchor_list = slots.tolist(), anchors.tolist()
-                graph = _time_ms(lambda: graphs.run(slot_list, anchor_list, plan), args.steps, args.warmup)
-                with launch.pdl_off():  # captured on its first run, inside the block
-                    no_pdl = _time_ms(lambda: no_pdl_graphs.run(slot_list, anchor_list, plan), args.steps, args.warmup)
-                drafts = draft.step(pool, slots, anchors, heads, plan).drafts_NK
-                same = torch.equal(graphs.run(slot_list, anchor_list, plan).drafts_NK, drafts) and torch.equal(
-                    no_pdl_graphs.run(slot_list, anchor_list, plan).drafts_NK, drafts
-                )
-                sampled = greedy = None
-                if sampling is not None:
-                    readout = Readout.of([sampling])
-                    greedy, sampled = _time_alternately_ms(
-                        [lambda: graphs.run(slot_list, anchor_list, plan),
-                         lambda: graphs.run(slot_list, anchor_list, plan, readout=readout)], args.steps, args.warmup,
-                    )  # fmt: skip
-                    step = draft.step(pool, slots, anchors, heads, plan, readout=readout)
-                    replay = graphs.run(slot_list, anchor_list, plan, readout=readout)
-                    same &= torch.equal(replay.drafts_NK, step.drafts_NK) and torch.equal(replay.probs_NKV, step.probs_NKV)
-                cache = None
-                if cache_path:
-                    caches = _caches_from_pool(draft, pool, n, context)
-                    cache = _time_ms(lambda: reference_step(draft, caches, anchors, heads, plan), args.steps, args.warmup)
-                    del caches
-            with torch.no_grad():
-                touched = touched_experts(draft, lambda: draft.step(pool, slots, anchors, heads, plan))
-            floor_s, nbytes, flops = floor_seconds(draft, heads, n, context, bytes_per_s, touched)
-            floor = floor_s * 1e3
-            row = dict(kind="step", preset=label, requests=n, context=context, cache_ms=cache, eager_ms=eager,
-                       graph_ms=graph, no_pdl_graph_ms=no_pdl, floor_ms=floor, bytes=nbytes, flops=flops,
-                       experts_touched=touched, kernels=kernels,
-                       busy_ms=busy_us / 1e3, sampled_graph_ms=sampled, greedy_graph_ms_beside_sampled=greedy, sampling=sampling and msgspec.to_builtins(sampling),
-                       graph_equals_eager=same, device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
-            results.append(row)
-            cache_text = f"{cache:>10.3f}" if cache is not None else f"{'-':>10}"
-            ratio = f"{cache / graph:>12.1f}" if cache is not None else f"{'-':>12}"
-            sampled_text = f"{sampled:>11.3f}{sampled / greedy:>14.3f}" if sampled is not None else f"{'-':>11}{'-':>14}"
-            print(f"{n:>5}{context:>9}{cache_text}{eager:>10.3f}{graph:>10.3f}{no_pdl:>10.3f}{floor:>10.3f}{graph / floor:>12.2f}"
-                  f"{ratio}{kernels:>9}{busy_us / 1e3:>9.3f}{sampled_text}{'' if same else '  graph != eager'}")  # fmt: skip
-            if args.profile:
-                profiles.append((n, context, busy_us, top))
-        del graphs, no_pdl_graphs, pool
+            slot_list, anchor_list = slots.tolist(), anchors.tolist()
+            with torch.no_grad():  # every draft's eager step, then its graph step, timed side by side
+                eagers = time_alternately_ms([lambda d=d, pool=state[w][0]: d.step(pool, slots, anchors, heads, plan)
+                                              for w, d in drafts.items()], args.steps, args.warmup)  # fmt: skip
+                graphs_ms = time_alternately_ms([lambda g=state[w][1]: g.run(slot_list, anchor_list, plan)
+                                                 for w in drafts], args.steps, args.warmup)  # fmt: skip
+            for (w, draft), eager, graph in zip(drafts.items(), eagers, graphs_ms):
+                pool, graphs, no_pdl_graphs = state[w]
+                with torch.no_grad():
+                    with launch.pdl_off():  # a PDL kernel's time would count its wait for the one before
+                        kernels, busy_us, top = _profile(lambda: draft.step(pool, slots, anchors, heads, plan),
+                                                         args.profile)  # fmt: skip
+                    with launch.pdl_off():  # captured on its first run, inside the block
+                        no_pdl = _time_ms(lambda: no_pdl_graphs.run(slot_list, anchor_list, plan), args.steps,
+                                          args.warmup)  # fmt: skip
+                    drafts_NK = draft.step(pool, slots, anchors, heads, plan).drafts_NK
+                    same = torch.equal(graphs.run(slot_list, anchor_list, plan).drafts_NK, drafts_NK) and torch.equal(
+                        no_pdl_graphs.run(slot_list, anchor_list, plan).drafts_NK, drafts_NK
+                    )
+                    sampled = greedy = None
+                    if sampling is not None:
+                        readout = Readout.of([sampling])
+                        greedy, sampled = time_alternately_ms(
+                            [lambda: graphs.run(slot_list, anchor_list, plan),
+                             lambda: graphs.run(slot_list, anchor_list, plan, readout=readout)], args.steps,
+                            args.warmup,
+                        )  # fmt: skip
+                        step = draft.step(pool, slots, anchors, heads, plan, readout=readout)
+                        replay = graphs.run(slot_list, anchor_list, plan, readout=readout)
+                        same &= torch.equal(replay.drafts_NK, step.drafts_NK) and torch.equal(replay.probs_NKV,
+                                                                                              step.probs_NKV)
+                    cache = None
+                    if cache_path:
+                        caches = _caches_from_pool(draft, pool, n, context)
+                        cache = _time_ms(lambda: reference_step(draft, caches, anchors, heads, plan), args.steps,
+                                         args.warmup)  # fmt: skip
+                        del caches
+                    touched = touched_experts(draft, lambda: draft.step(pool, slots, anchors, heads, plan))
+                floor_s, nbytes, flops = floor_seconds(draft, heads, n, context, bytes_per_s, touched)
+                floor = floor_s * 1e3
+                # the release's bytes, whichever draft ran: the quantized twin holds the release's experts
+                rel = None if released is None else floor_seconds(drafts["quantized"], heads, n, context, bytes_per_s,
+                                                                  touched, released)[0] * 1e3  # fmt: skip
+                row = dict(kind="step", preset=label, weights=w, requests=n, context=context, cache_ms=cache,
+                           eager_ms=eager, graph_ms=graph, no_pdl_graph_ms=no_pdl, floor_ms=floor, bytes=nbytes,
+                           flops=flops, **({"floor_released_ms": rel} if rel is not None else {}),
+                           experts_touched=touched, kernels=kernels, busy_ms=busy_us / 1e3, sampled_graph_ms=sampled,
+                           greedy_graph_ms_beside_sampled=greedy, sampling=sampling and msgspec.to_builtins(sampling),
+                           graph_equals_eager=same, device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
+                results.append(row)
+                cache_text = f"{cache:>10.3f}" if cache is not None else f"{'-':>10}"
+                ratio = f"{cache / graph:>12.1f}" if cache is not None else f"{'-':>12}"
+                sampled_text = (f"{sampled:>11.3f}{sampled / greedy:>14.3f}" if sampled is not None
+                                else f"{'-':>11}{'-':>14}")  # fmt: skip
+                print(f"{n:>5}{context:>9}" + (f"{w:>10}" if wide else "") + f"{cache_text}{eager:>10.3f}"
+                      f"{graph:>10.3f}{no_pdl:>10.3f}{floor:>10.3f}{graph / floor:>12.2f}"
+                      + (f"{rel:>10.3f}{graph / rel:>10.2f}" if wide else "") + f"{ratio}{kernels:>9}"
+                      f"{busy_us / 1e3:>9.3f}{sampled_text}{'' if same else '  graph != eager'}")  # fmt: skip
+                if args.profile:
+                    profiles.append((n, context, busy_us, top))
+        del state
         torch.cuda.empty_cache()
     for n, context, busy_us, top in profiles:
         print(f"top kernels of one eager step, N {n}, context {context} ({busy_us:.0f} µs of kernels):")
@@ -396,7 +454,7 @@ def main(args: argparse.Namespace) -> int:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)
     if plt is not None:
-        _plot(plt, results, args.plot)
+        plot(plt, results, args.plot)
     return 0
 
 
@@ -509,76 +567,3 @@ def _caches_from_pool(draft, pool, n: int, context: int):
             cache.append(layer, pool.k[layer][i, :, :context], pool.v[layer][i, :, :context])
         cache.length = context
     return caches
-
-
-def _pyplot(path: Path):
-    """matplotlib's pyplot on the file-only Agg backend, after checking that `path` can be written."""
-    if not path.parent.is_dir():
-        raise ConfigError(f"--plot {path}: directory {path.parent} does not exist")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ConfigError("--plot needs matplotlib: pip install 'epdraft[plot]'") from e
-    return plt
-
-
-def _read_results(path: Path) -> list[dict]:
-    """The JSON lines a `--json` file holds (blank lines skipped); ConfigError naming file and line."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise ConfigError(f"--from-json {path}: cannot read it ({e.strerror})") from e
-    rows = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{i}: not a JSON line of `epdraft bench step --json` ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ConfigError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
-        rows.append(row)
-    return rows
-
-
-def _plot(plt, results: list[dict], path: Path, kind: str = "step", what: str = "draft step") -> None:
-    """Graph ms and floor ms against N, one pair of lines per (preset, context), of the rows of
-    `kind` (`graph_ms`, `floor_ms`): "step" rows are those without `kind` (files written before it
-    existed) or with kind "step"; other rows are left out. A point measured twice (runs appended to
-    one file) keeps the last."""
-    points: dict[tuple[str, int], dict[int, dict]] = {}
-    devices = set()
-    for r in results:
-        if r.get("kind", "step") != kind:
-            continue
-        devices.add(str(r.get("device", "")))
-        try:
-            points.setdefault((str(r["preset"]), int(r["context"])), {})[int(r["requests"])] = {
-                "graph_ms": float(r["graph_ms"]), "floor_ms": float(r["floor_ms"])}  # fmt: skip
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"--plot: a {kind} row without preset, context, requests, graph_ms, floor_ms: {r}") from e
-    if not points:
-        raise ConfigError(f"--plot {path}: no {kind} results to draw (other rows are not plotted)")
-    presets = sorted({preset for preset, _ in points})
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for (preset, context), by_n in sorted(points.items()):
-        n = sorted(by_n)
-        label = f"ctx {context}" if len(presets) == 1 else f"{preset}, ctx {context}"
-        (line,) = ax.plot(n, [by_n[i]["graph_ms"] for i in n], "o-", label=f"graph, {label}")
-        ax.plot(n, [by_n[i]["floor_ms"] for i in n], "--", color=line.get_color(), label=f"floor, {label}")
-    devices.discard("")
-    ax.set_title(f"{what}: {', '.join(presets)}" + (f" on {', '.join(sorted(devices))}" if devices else ""))
-    ax.set_xlabel("requests N")
-    ax.set_ylabel(f"ms per {what}")
-    ax.set_xscale("log", base=2)
-    all_n = sorted({i for by_n in points.values() for i in by_n})
-    ax.set_xticks(all_n, [str(i) for i in all_n])
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    print(f"plot: {path}")

@@ -76,15 +76,16 @@ def _distinct(held: float, num_experts: int, pairs: float) -> float:
 
 def _estimate(
     layout: str, padding: str, moe: DraftMoeFFNSpec, hidden: int, ep: int, tp: int, rows: int, link: Link,
-    mem_bw_gbps: float, dtype_bytes: int,
+    mem_bw_gbps: float, dtype_bytes: int, weight_bytes: float,
 ) -> tuple[float, float, int]:
-    """(comm_us, experts_us, expert_bytes_per_rank) of one MoE layer."""
+    """(comm_us, experts_us, expert_bytes_per_rank) of one MoE layer: its experts at `weight_bytes` a weight
+    (`expert_weight_bytes`), the rows it moves at `dtype_bytes` a value."""
     E, K, I = moe.num_experts, moe.top_k, moe.intermediate_size
     G = ep * tp if layout != "replicated" else 1
     held, F_ = (E, I) if layout == "replicated" else (E // ep, I // tp)
-    expert_bytes = held * 3 * F_ * hidden * dtype_bytes
+    expert_bytes = int(held * 3 * F_ * hidden * weight_bytes)
     touched = _distinct(held, E, G * rows * K)
-    experts_us = touched * 3 * F_ * hidden * dtype_bytes / (mem_bw_gbps * 1e3)
+    experts_us = touched * 3 * F_ * hidden * weight_bytes / (mem_bw_gbps * 1e3)
     row_bytes = hidden * dtype_bytes
     route_bytes = 2 * K * 4  # ids and weights as fp32 beside each row
     us_per_byte = 1.0 / (link.bandwidth_gbps * 1e3)
@@ -101,6 +102,36 @@ def _estimate(
         reduced = 2 * (G - 1) * rows  # ring all-reduce moves 2(G-1)/G of the G*rows buffer
         comm_us = 3 * link.latency_us + reduced * (2 * row_bytes + route_bytes) * us_per_byte
     return comm_us, experts_us, expert_bytes
+
+
+def expert_weight_bytes(spec: DraftMixFFNSpec, *, tp: int, device: str, dtype_bytes: int) -> tuple[float, str]:
+    """(bytes a quantized routed-expert weight takes as a rank holds it, the reason in words). The experts a
+    checkpoint stores quantized stay so where the fused kernels run them (CUDA, whole experts: moe_tp 1, gate
+    rows first, shapes the kernels take): then the stored format counts, scales included
+    (`QuantSpec.bits_per_weight`: FP4 / MXFP4 4.25 bits, FP8 8 and its block scales); elsewhere they are
+    dequantized at load to `dtype_bytes`. Unquantized layers always count `dtype_bytes`. The rule is the
+    runtime's (`layers.step_kernels.quantized_experts_reason`, which this tier may not import; a test holds
+    them equal), less its Triton check."""
+    import torch
+
+    from epdraft.kernels.experts import fused
+
+    quantized = [m for m in spec.layers if isinstance(m, DraftMoeFFNSpec) and m.quantization is not None]
+    if not quantized:
+        return float(dtype_bytes), f"experts unquantized, {dtype_bytes} B a weight"
+    why = None
+    if tp > 1:
+        why = f"draft.moe_tp = {tp} slices the experts; quantized experts are held whole"
+    for m in quantized:
+        if why is None and m.activation.kind == "swigluoai":
+            why = "gpt-oss interleaves gate and up rows; quantized experts are held gate rows first"
+        q = m.quantization.experts
+        why = why or fused.quantized_unsupported_reason(q.method, q.block, spec.hidden_size, m.intermediate_size,
+                                                        device, torch.bfloat16)  # fmt: skip
+    if why is not None:
+        return float(dtype_bytes), f"quantized experts dequantized at load to {dtype_bytes} B a weight ({why})"
+    q = quantized[0].quantization.experts
+    return q.bits_per_weight / 8, f"quantized experts held as stored: {q.bits_per_weight:g} bits a weight ({q.method})"
 
 
 def layout_candidates(ep: int, tp: int) -> list[tuple[str, str]]:
@@ -128,20 +159,26 @@ def choose_layout(
     mem_bw_gbps: float,
     memory_budget_bytes: int,
     dtype_bytes: int = 2,
+    device: str = "cuda",
 ) -> PlanChoice:
     """Cheapest layout for this draft at the config's moe_ep x moe_tp among those that fit in memory.
 
-    Pure: the caller (the worker resolving `auto`) logs `reason` once.
+    Quantized experts count at the bytes `device`'s ranks hold them in under each layout
+    (`expert_weight_bytes`: a gather layout's moe_tp slices are dequantized). Pure: the caller (the
+    worker resolving `auto`) logs `reason` once.
 
     Raises ConfigError when no candidate's expert shard fits `memory_budget_bytes`.
     """
     moe_layers = [layer for layer in spec.layers if isinstance(layer, DraftMoeFFNSpec)]
     estimates = []
     for layout, padding in layout_candidates(ep, tp):
+        sliced = tp if layout == "gather" else 1  # replicated and alltoall hold whole experts
+        quantized_bytes = expert_weight_bytes(spec, tp=sliced, device=device, dtype_bytes=dtype_bytes)[0]
         per_layer = [
-            _estimate(layout, padding, m, spec.hidden_size, ep, tp, rows_per_rank, link, mem_bw_gbps, dtype_bytes)
+            _estimate(layout, padding, m, spec.hidden_size, ep, tp, rows_per_rank, link, mem_bw_gbps, dtype_bytes,
+                      quantized_bytes if m.quantization is not None else dtype_bytes)
             for m in moe_layers
-        ]
+        ]  # fmt: skip
         expert_bytes = sum(p[2] for p in per_layer)
         estimates.append(
             LayoutEstimate(
@@ -201,6 +238,7 @@ def choose_for_config(
         mem_bw_gbps=mem_bw_gbps or MEMORY_BANDWIDTH_GBPS[device],
         memory_budget_bytes=memory_budget_bytes,
         dtype_bytes=dtype_bytes,
+        device=device,
     )
 
 
@@ -214,7 +252,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--latency-us", type=float, help="override the per-collective latency, us")
     parser.add_argument("--mem-bw-gbps", type=float, help="override the device memory bandwidth, GB/s")
     parser.add_argument("--memory-gib", type=float, default=16.0, help="per-rank budget for expert weights (default 16)")
-    parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per expert weight (default 2, bf16)")
+    parser.add_argument("--dtype-bytes", type=int, default=2,
+                        help="bytes per unquantized expert weight and per moved value (default 2, bf16); quantized "
+                        "experts count their stored format where the kernels keep it")
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -262,6 +302,11 @@ def main(args: argparse.Namespace) -> int:
     print(f"config {args.config}: draft.moe_ep = {d.moe_ep}, draft.moe_tp = {d.moe_tp}, draft.moe_layout = {d.moe_layout!r}")
     print(f"draft {args.draft}: {len(spec.moe_layers)} MoE layers, H = {spec.hidden_size}, {args.rows} rows/rank")
     print(f"link {link.name}: {link.bandwidth_gbps:g} GB/s, {link.latency_us:g} us per collective")
+    device = "cpu" if pc.cluster.device == "cpu" else "cuda"
+    print(f"experts: {expert_weight_bytes(spec, tp=1, device=device, dtype_bytes=args.dtype_bytes)[1]}"
+          + (f"; gather's moe_tp = {d.moe_tp} slices: "
+             f"{expert_weight_bytes(spec, tp=d.moe_tp, device=device, dtype_bytes=args.dtype_bytes)[1]}"
+             if d.moe_tp > 1 else ""))  # fmt: skip
     print(f"{'layout':<18}{'comm us':>10}{'experts us':>12}{'total us':>10}{'experts GiB/rank':>18}  fits")
     for e in choice.estimates:
         print(

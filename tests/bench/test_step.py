@@ -93,3 +93,20 @@ def test_kernel_breakdown_counts_sums_and_ranks_by_time():
     count, busy, top = kernel_breakdown(kernels, top=2)
     assert (count, busy) == (5, 27.5)
     assert top == [("gemm", 2, 22.0), ("rope", 1, 3.0)]
+
+
+def test_weights_flag_is_checked_before_any_gpu_work(capsys):
+    assert _bench("--weights", "bf16,fp8") == 2
+    assert "--weights 'bf16,fp8': expected a comma list of bf16, quantized (each once)" in capsys.readouterr().err
+    assert _bench("--preset", "issue13", "--weights", "bf16,quantized") == 2
+    err = capsys.readouterr().err
+    assert "--weights quantized builds DeepSeek's released layout" in err and "this one is 'dflash'" in err
+
+
+def test_a_quantized_run_is_its_own_plot_line(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rows = [dict(r, weights=w) for w in ("bf16", "quantized") for r in _rows("v41-flash") if r["kind"] == "step"]
+    results, out = tmp_path / "bench-step.jsonl", tmp_path / "step.png"
+    _write(results, rows)
+    assert _bench("--from-json", str(results), "--plot", str(out)) == 0
+    assert out.stat().st_size > 0

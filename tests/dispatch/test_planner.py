@@ -69,3 +69,56 @@ def test_plan_says_why_it_disagrees_with_the_config(capsys):
     assert note.startswith("note: the config asks for 'alltoall'; the estimates favour 'replicated': "
                            "alltoall spends "), note
     assert "us/step moving rows, replicated 0.0 us, more than its sharded experts save" in note, note
+
+
+def _fp4_draft(layers: int = 2) -> DraftMixFFNSpec:
+    from epdraft.config.quant import QuantSpec
+
+    q = QuantSpec(method="fp8", block=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4")  # DeepSeek-V4's release
+    moe = DraftMoeFFNSpec(router=RouterSpec(num_experts=256, top_k=2), intermediate_size=2048, quantization=q)
+    return DraftMixFFNSpec(family="test", hidden_size=4096, layers=(moe,) * layers, quantization=q)
+
+
+def test_quantized_experts_count_their_stored_bytes_where_the_kernels_keep_them():
+    weights = 256 * 3 * 2048 * 4096  # one layer's routed expert weights
+    kw = dict(rows_per_rank=64, link=LINKS["nvlink"], mem_bw_gbps=4800, memory_budget_bytes=64 * GIB)
+
+    def replicated(choice):
+        return next(e for e in choice.estimates if e.layout == "replicated")
+
+    on_gpu = replicated(choose_layout(_fp4_draft(), ep=8, tp=1, device="cuda", **kw))
+    assert on_gpu.expert_bytes_per_rank == 2 * int(weights * 4.25 / 8)  # e2m1 + an e8m0 scale per 32, not bf16
+    on_cpu = replicated(choose_layout(_fp4_draft(), ep=8, tp=1, device="cpu", **kw))
+    assert on_cpu.expert_bytes_per_rank == 2 * weights * 2  # dequantized at load on CPU
+    assert on_cpu.experts_us == pytest.approx(on_gpu.experts_us * 2 / (4.25 / 8))
+    sliced = choose_layout(_fp4_draft(), ep=4, tp=2, device="cuda", **kw)
+    gather = next(e for e in sliced.estimates if e.layout == "gather")
+    assert gather.expert_bytes_per_rank == 2 * (weights // 8) * 2  # moe_tp slices are dequantized at load
+    assert replicated(sliced).expert_bytes_per_rank == on_gpu.expert_bytes_per_rank  # whole experts stay FP4
+
+
+def test_plan_names_how_quantized_experts_are_counted(capsys):
+    assert cli_main(["plan", "configs/h200x8-dp8-ep8.toml", f"{FIXTURES}/deepseek-v4-flash.json",
+                     "--memory-gib", "64"]) == 0  # fmt: skip
+    assert "experts: quantized experts held as stored: 4.25 bits a weight (mxfp4)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device,tp,swiglu_oai,intermediate", [
+    ("cuda", 1, False, 2048), ("cpu", 1, False, 2048), ("cuda", 2, False, 2048), ("cuda", 1, True, 2048),
+    ("cuda", 1, False, 2080),
+])  # fmt: skip
+def test_the_planner_keeps_quantized_experts_where_the_runtime_does(device, tp, swiglu_oai, intermediate):
+    import msgspec
+    import torch
+
+    from epdraft.config.ffn import ActivationSpec
+    from epdraft.dispatch.planner import expert_weight_bytes
+    from epdraft.layers.step_kernels import quantized_experts_reason
+
+    spec = _fp4_draft()
+    moe = spec.layers[0]
+    moe = msgspec.structs.replace(moe, intermediate_size=intermediate,
+                                  activation=ActivationSpec(kind="swigluoai") if swiglu_oai else moe.activation)
+    spec = msgspec.structs.replace(spec, layers=(moe, moe))
+    kept = quantized_experts_reason(spec, tp_size=tp, device_type=device, dtype=torch.bfloat16) is None
+    assert (expert_weight_bytes(spec, tp=tp, device=device, dtype_bytes=2)[0] < 2) == kept
