@@ -4,8 +4,9 @@ context, each captured as one CUDA graph per batch-size bucket, replayed every s
 A step's requests are padded to the smallest bucket >= the largest request count of any DP rank
 (read from the agreed StepPlan, so every rank, idle ranks included, replays a graph of the same
 shape and enters the same collectives). Padding rows use the pool's pad slot and are dropped.
-Inputs go through pinned host buffers into static device buffers with asynchronous copies: a
-replay never synchronizes the host. A bucket is captured the first time a step needs it, on every
+Inputs go through one pinned host buffer (written through a numpy view: a few microseconds of
+host time where torch's indexing costs tens) into static device buffers with one asynchronous
+copy: a replay never synchronizes the host. A bucket is captured the first time a step needs it, on every
 rank at the same step; the MoE layers are captured with a plan whose counts are the bucket's, so
 their collectives have the bucket's fixed shapes. Each readout (`Readout`: argmax, sampled,
 sampled with top-k / top-p) has its own graph per bucket: an all-greedy step keeps the argmax one.
@@ -46,14 +47,37 @@ def bucket_for(buckets: tuple[int, ...], num_requests: int) -> int:
 
 
 @dataclasses.dataclass
+class _Inputs:
+    """A graph's integer inputs: rows of a pinned host buffer, their numpy view (what the host
+    writes) and the static device copy the graph reads; `copied` is recorded after each copy."""
+
+    host: torch.Tensor
+    device: torch.Tensor
+    copied: torch.cuda.Event = dataclasses.field(default_factory=torch.cuda.Event)
+
+    @classmethod
+    def of(cls, rows: list[list[int]], device: torch.device) -> _Inputs:
+        host = torch.tensor(rows, dtype=torch.long).pin_memory()
+        inputs = cls(host, host.to(device, non_blocking=True))
+        inputs.copied.record()  # the copy above reads the pinned buffer that `send` refills next
+        return inputs
+
+    def send(self, rows: list[tuple[list[int], int]]) -> None:
+        """Row i := rows[i] = (values, filler for the rest), then one asynchronous copy to the device."""
+        self.copied.synchronize()  # the last copy has read the pinned buffer
+        view = self.host.numpy()
+        for i, (values, filler) in enumerate(rows):
+            view[i, : len(values)] = values
+            view[i, len(values) :] = filler
+        self.device.copy_(self.host, non_blocking=True)
+        self.copied.record()
+
+
+@dataclasses.dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    slots_host: torch.Tensor
-    anchors_host: torch.Tensor
-    slots: torch.Tensor
-    anchors: torch.Tensor
+    inputs: _Inputs  # rows: slots, anchors
     output: DraftStep
-    copied: torch.cuda.Event = dataclasses.field(default_factory=torch.cuda.Event)
 
 
 class StepGraphs:
@@ -94,26 +118,15 @@ class StepGraphs:
         captured = self._captured.get((b, readout))
         if captured is None:
             captured = self._capture(b, readout, plan, slots, anchors)
-        n = len(slots)
-        captured.copied.synchronize()  # the last step's input copy has read the pinned buffers
-        captured.slots_host.fill_(self.pad_slot)
-        captured.slots_host[:n] = torch.tensor(slots, dtype=torch.long)
-        captured.anchors_host.zero_()
-        captured.anchors_host[:n] = torch.tensor(anchors, dtype=torch.long)
-        captured.slots.copy_(captured.slots_host, non_blocking=True)
-        captured.anchors.copy_(captured.anchors_host, non_blocking=True)
-        captured.copied.record()
+        captured.inputs.send([(slots, self.pad_slot), (anchors, 0)])
         captured.graph.replay()
-        return captured.output.first(n)
+        return captured.output.first(len(slots))
 
     def _capture(self, b: int, readout: Readout, plan: StepPlan, slots: list[int], anchors: list[int]) -> _Captured:
         bucket_plan = StepPlan(step=plan.step, ranks=plan.ranks, counts=(b * self.block_size,) * len(plan.ranks))
-        slots_host = torch.full((b,), self.pad_slot, dtype=torch.long, pin_memory=True)
-        anchors_host = torch.zeros(b, dtype=torch.long, pin_memory=True)
-        slots_host[: len(slots)] = torch.tensor(slots, dtype=torch.long)
-        anchors_host[: len(anchors)] = torch.tensor(anchors, dtype=torch.long)
-        slots_d = slots_host.to(self.device, non_blocking=True)
-        anchors_d = anchors_host.to(self.device, non_blocking=True)
+        pad = b - len(slots)
+        inputs = _Inputs.of([list(slots) + [self.pad_slot] * pad, list(anchors) + [0] * pad], self.device)
+        slots_d, anchors_d = inputs.device[0], inputs.device[1]
         # Warm up on a side stream (lazy inits, Triton autotuning, allocator) before capturing.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -124,8 +137,7 @@ class StepGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             output = self.step(slots_d, anchors_d, bucket_plan, readout)
         log.info("captured the draft step (%s readout) for %d requests (bucket %d)", readout.value, len(slots), b)
-        captured = _Captured(graph, slots_host, anchors_host, slots_d, anchors_d, output)
-        captured.copied.record()  # the copies above read the pinned buffers that `run` refills next
+        captured = _Captured(graph, inputs, output)
         self._captured[b, readout] = captured
         return captured
 
@@ -133,10 +145,8 @@ class StepGraphs:
 @dataclasses.dataclass
 class _CapturedCommit:
     graph: torch.cuda.CUDAGraph
-    ints_host: torch.Tensor  # [2, b] pinned: slots, counts
-    ints: torch.Tensor
+    inputs: _Inputs  # rows: slots, counts
     features: torch.Tensor  # [b * rows_per_request, F] in the draft's dtype
-    copied: torch.cuda.Event = dataclasses.field(default_factory=torch.cuda.Event)
 
 
 class CommitGraphs:
@@ -178,14 +188,7 @@ class CommitGraphs:
         captured = self._captured.get(b)
         if captured is None:
             captured = self._capture(b)
-        n = len(slots)
-        captured.copied.synchronize()  # the last commit's input copy has read the pinned buffers
-        captured.ints_host[0].fill_(self.pad_slot)
-        captured.ints_host[0, :n] = torch.tensor(slots, dtype=torch.long)
-        captured.ints_host[1].zero_()
-        captured.ints_host[1, :n] = torch.tensor(counts, dtype=torch.long)
-        captured.ints.copy_(captured.ints_host, non_blocking=True)
-        captured.copied.record()
+        captured.inputs.send([(slots, self.pad_slot), (counts, 0)])
         captured.features[: features_TF.shape[0]].copy_(features_TF)
         captured.graph.replay()
 
@@ -195,9 +198,9 @@ class CommitGraphs:
             self._capture(b)
 
     def _capture(self, b: int) -> _CapturedCommit:
-        ints_host = torch.zeros(2, b, dtype=torch.long, pin_memory=True)
-        ints_host[0].fill_(self.pad_slot)  # the warm-up run below writes junk rows to the pad slot only
-        ints = ints_host.to(self.device, non_blocking=True)
+        # all padding: the warm-up run below writes junk rows to the pad slot only
+        inputs = _Inputs.of([[self.pad_slot] * b, [0] * b], self.device)
+        ints = inputs.device
         features = torch.zeros(b * self.rows_per_request, self.width, dtype=self.dtype, device=self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -208,7 +211,6 @@ class CommitGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             self.write(ints[0], ints[1], features)
         log.info("captured the draft context commit for %d requests", b)
-        captured = _CapturedCommit(graph, ints_host, ints, features)
-        captured.copied.record()
+        captured = _CapturedCommit(graph, inputs, features)
         self._captured[b] = captured
         return captured
