@@ -326,7 +326,7 @@ def _phase_lines(s: RunSummary) -> list[str]:
     iteration = sum(s.phase_seconds.get(k, 0.0) for k in ITERATION_PHASES)
     if iteration and s.steps:
         lines.append(f"draft iteration (step sync + commit + propose): {1e3 * iteration / s.steps:.3f} ms per step "
-                     f"over {s.steps} steps (compare `epdraft bench iteration` at the same requests per rank)")
+                     f"over {s.steps} steps")
     if s.draft_rank_seconds:
         lines.append("  of which the draft ranks (mean, inside the transfer row):")
         for key, label in PHASES:
