@@ -32,7 +32,7 @@ import torch
 from epdraft.bench.ceilings import memory_bytes_per_s
 from epdraft.bench.drafts import random_draft
 from epdraft.bench.step import (
-    DSPARK_PRESETS, PRESETS, TENSOR_FLOPS, RandomHeads, _ints, _profile, floor_seconds, preset_draft_config,
+    TENSOR_FLOPS, RandomHeads, _ints, _profile, add_draft_arguments, floor_seconds, preset_draft_config,
     time_alternately_ms, touched_experts,
 )  # fmt: skip
 from epdraft.bench.step_plot import plot, pyplot, read_results
@@ -44,12 +44,7 @@ WHAT = "draft iteration (commit + propose)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=sorted({*PRESETS, *DSPARK_PRESETS}), default="issue13", help="draft shape (default issue13)")
-    parser.add_argument("--draft", type=Path, help="a draft export directory instead of a preset (its config only)")
-    parser.add_argument("--requests", default="1,8,32,64,128", help="batch sizes N, comma list")
-    parser.add_argument("--context", default="1024,8192", help="context rows per request, comma list")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
+    add_draft_arguments(parser)
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="after the table, the K kernels that take the most time in one commit, per point")
     parser.add_argument("--json", type=Path, help="append the JSON lines to this file")

@@ -88,13 +88,18 @@ def preset_draft_config(name: str) -> dict:
     return DSPARK_PRESETS[name] if name in DSPARK_PRESETS else preset_config(PRESETS[name])
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_draft_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every single-GPU draft bench shares: which draft, which batches and contexts, how long."""
     parser.add_argument("--preset", choices=sorted({*PRESETS, *DSPARK_PRESETS}), default="issue13", help="draft shape (default issue13)")
     parser.add_argument("--draft", type=Path, help="a draft export directory instead of a preset (its config only)")
     parser.add_argument("--requests", default="1,8,32,64,128", help="batch sizes N, comma list")
     parser.add_argument("--context", default="1024,8192", help="context rows per request, comma list")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_draft_arguments(parser)
     parser.add_argument("--no-cache-path", action="store_true", help="skip the cache-based eager step (slow at large N)")
     parser.add_argument("--attention", action="store_true",
                         help="also time one layer's block attention alone: the Triton kernel against SDPA and "

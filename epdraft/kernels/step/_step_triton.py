@@ -64,6 +64,15 @@ def _norm_rotate_store(src, w_ptr, cos, sin, dst, stride_dst, heads, D, eps, HEA
 
 
 @triton.jit
+def _rotary_row(cos_ptr, sin_ptr, pos, stride_tab, D: tl.constexpr, HALF_P: tl.constexpr):
+    """(cos, sin) [HALF_P] fp32 of one position from the rotary table (zero past D / 2)."""
+    i = tl.arange(0, HALF_P)
+    cos = tl.load(cos_ptr + pos * stride_tab + i, mask=i < D // 2, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_tab + i, mask=i < D // 2, other=0.0)
+    return cos, sin
+
+
+@triton.jit
 def qk_rope_store_kernel(
     q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr,
     q_out_ptr, pool_k_ptr, pool_v_ptr,
@@ -78,10 +87,8 @@ def qk_rope_store_kernel(
     its KV heads, k normed and rotated and v as is, into the request's pool slot at the row's position."""
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, HALF_P)
     pos = tl.load(pos_ptr + row).to(tl.int64)
-    cos = tl.load(cos_ptr + pos * stride_tab + i, mask=i < D // 2, other=0.0)
-    sin = tl.load(sin_ptr + pos * stride_tab + i, mask=i < D // 2, other=0.0)
+    cos, sin = _rotary_row(cos_ptr, sin_ptr, pos, stride_tab, D, HALF_P)
     _norm_rotate_store(q_ptr + row * stride_q, qw_ptr, cos, sin, q_out_ptr + row * stride_qo, D, NUM_Q, D, eps,
                        Q_P, HALF_P)  # fmt: skip
     slot = tl.load(slots_ptr + row // B).to(tl.int64)
@@ -119,10 +126,8 @@ def kv_rope_store_kernel(
     the pool at the row's own (slot, position) (a commit's rows, `RequestSlots.placement`)."""
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, HALF_P)
     pos = tl.load(pos_ptr + row).to(tl.int64)
-    cos = tl.load(cos_ptr + pos * stride_tab + i, mask=i < D // 2, other=0.0)
-    sin = tl.load(sin_ptr + pos * stride_tab + i, mask=i < D // 2, other=0.0)
+    cos, sin = _rotary_row(cos_ptr, sin_ptr, pos, stride_tab, D, HALF_P)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     _store_kv(k_ptr + row * stride_k, v_ptr + row * stride_v, kw_ptr, cos, sin, slot, pos, pool_k_ptr, pool_v_ptr,
               stride_pp, stride_pg, stride_pc, stride_vp, stride_vg, stride_vc, eps, NUM_KV, D, KV_P, HALF_P, D_P)  # fmt: skip
