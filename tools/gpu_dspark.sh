@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU check of the DeepSeek DSpark drafts (issue 31): graph == eager over 100 steps (tests),
 # `bench step` on the V4.1-Flash draft preset against its floor (with the costliest kernels of one
-# eager step), and `epdraft run` of the tiny pair with tiny V4 / V4.1 drafts under CUDA graphs.
+# eager step), and `epdraft run` of the tiny pair with tiny V4 / V4.1 drafts under CUDA graphs
+# (LAYOUTS="plain quantized bundle": also in DeepSeek's released layout, alone and inside a target checkpoint).
 # Parts: ${@:-tests bench run}. Logs: ${OUT:-./gpu-dspark}.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -17,15 +18,22 @@ for part in ${@:-tests bench run}; do
         --context ${CONTEXT:-1024,8192} --steps 20 --warmup 5 --temperature 0.8 --profile ${PROFILE:-12} \
         --json "$OUT/bench-v41-flash.jsonl" 2>&1 | grep -v '^{' | tee -a "$LOG" ;;
     run)
-      for variant in v4 v41; do
-        flag=$([ $variant = v41 ] && echo --v41)
-        python3 tools/make_deepseek_dspark_draft.py "$OUT/draft-$variant" $flag > /dev/null || exit 1
-        # shellcheck disable=SC2086
-        timeout 150 python3 -m epdraft.cli run configs/h200x8-dp8-ep8.toml $ONE --set draft.moe_layout=replicated \
-          --set draft.cuda_graphs=true --draft "$OUT/draft-$variant" --json "$OUT/run-$variant-graphs.json" 2>&1 \
-          | grep -v "^\[rank" | tail -12 | tee -a "$LOG"
-        python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(sys.argv[2], 'lossless', s['lossless'], 'requests', s['requests'], 'failed', s['failed_requests'])" \
-          "$OUT/run-$variant-graphs.json" $variant 2>&1 | tee -a "$LOG"
+      # LAYOUTS: plain (bf16 export), quantized (DeepSeek's released FP8 / FP4 layout), bundle (that
+      # layout as mtp.* inside a tiny target checkpoint); drafts written to /tmp (not carried back)
+      for layout in ${LAYOUTS:-plain}; do
+        for variant in v4 v41; do
+          flags=$([ $variant = v41 ] && echo --v41)
+          case $layout in quantized) flags="$flags --quantized" ;; bundle) flags="$flags --bundle" ;; esac
+          draft=/tmp/draft-$layout-$variant
+          # shellcheck disable=SC2086
+          python3 tools/make_deepseek_dspark_draft.py "$draft" $flags > /dev/null || exit 1
+          # shellcheck disable=SC2086
+          timeout 150 python3 -m epdraft.cli run configs/h200x8-dp8-ep8.toml $ONE --set draft.moe_layout=replicated \
+            --set draft.cuda_graphs=true --draft "$draft" --json "$OUT/run-$layout-$variant-graphs.json" 2>&1 \
+            | grep -v "^\[rank" | tail -12 | tee -a "$LOG"
+          python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(sys.argv[2], 'lossless', s['lossless'], 'requests', s['requests'], 'failed', s['failed_requests'])" \
+            "$OUT/run-$layout-$variant-graphs.json" "$layout $variant" 2>&1 | tee -a "$LOG"
+        done
       done ;;
   esac
 done
