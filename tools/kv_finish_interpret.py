@@ -164,7 +164,8 @@ def main() -> None:
     warnings.filterwarnings("ignore", "overflow encountered in multiply", RuntimeWarning)
     gen = torch.Generator().manual_seed(0)
     failures = []
-    print(f"{'D':>4} {'R':>3} {'T':>3} {'quant':>5} {'dtype':>8} {'rows':>8} {'ring':>8} {'max|d| rope':>12} {'nan groups':>10}")
+    print(f"{'D':>4} {'R':>3} {'T':>3} {'quant':>5} {'dtype':>8} {'rows':>8} {'ring':>8} {'max|d| rope':>12} "
+          f"{'nan groups':>10}")
     for D, R, T, fake_quant in CASES:
         for dtype in (torch.float32, torch.bfloat16):
             kv = _rows(T, D, R, gen)

@@ -47,10 +47,12 @@ def test_bad_shapes_and_dtypes_raise_naming_the_tensors():
         kv_finish(kv, cos.double(), cos.double(), fake_quant=False)
     with pytest.raises(ConfigError, match="need a contiguous last dim"):
         kv_finish(torch.zeros(16, 3).T, cos, cos, fake_quant=False)
-    with pytest.raises(ConfigError, match=r"kv_finish_store: ring \(5, 8, 12\) torch.float32: expected a float \[P, W, 16\]"):
+    ring_error = r"kv_finish_store: ring \(5, 8, 12\) torch.float32: expected a float \[P, W, 16"
+    with pytest.raises(ConfigError, match=ring_error):
         kv_finish_store(kv, cos, cos, torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long),
                         torch.zeros(5, 8, 12), fake_quant=True)  # fmt: skip
-    with pytest.raises(ConfigError, match=r"slots \(3,\) torch.float32, positions \(2,\) torch.int64: expected integer \[3\]"):
+    index_error = r"slots \(3,\) torch.float32, positions \(2,\) torch.int64: expected integer \[3\]"
+    with pytest.raises(ConfigError, match=index_error):
         kv_finish_store(kv, cos, cos, torch.zeros(3), torch.zeros(2, dtype=torch.long), torch.zeros(5, 8, 16),
                         fake_quant=True)  # fmt: skip
 

@@ -125,14 +125,16 @@ def kv_finish_store(
     """
     launch.refuse_autograd("kv_finish_store", kv_TD)
     T, D, _ = _check("kv_finish_store", kv_TD, cos_TR, sin_TR)
-    if ring_PWD.dim() != 3 or ring_PWD.shape[2] != D or ring_PWD.stride(-1) != 1 or not ring_PWD.dtype.is_floating_point:
+    ring_ok = ring_PWD.dim() == 3 and ring_PWD.shape[2] == D and ring_PWD.stride(-1) == 1
+    if not ring_ok or not ring_PWD.dtype.is_floating_point:
         raise ConfigError(f"kv_finish_store: ring {tuple(ring_PWD.shape)} {ring_PWD.dtype}: expected a float "
                           f"[P, W, {D}] with a contiguous last dim")  # fmt: skip
     if slots_T.shape != (T,) or positions_T.shape != (T,) or any(
         t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool for t in (slots_T, positions_T)
     ):
         raise ConfigError(f"kv_finish_store: slots {tuple(slots_T.shape)} {slots_T.dtype}, positions "
-                          f"{tuple(positions_T.shape)} {positions_T.dtype}: expected integer [{T}] each (one per kv row)")  # fmt: skip
+                          f"{tuple(positions_T.shape)} {positions_T.dtype}: expected integer [{T}] each "
+                          "(one per kv row)")  # fmt: skip
     slots_T, positions_T = slots_T.contiguous(), positions_T.contiguous()  # read as flat arrays
     _launch(kv_TD, cos_TR, sin_TR, slots_T, positions_T, ring_PWD, ring_PWD.stride(0), ring_PWD.stride(1),
             ring_PWD.shape[1], fake_quant=fake_quant, ring=True)  # fmt: skip
