@@ -80,7 +80,7 @@ def fp8_ue8m0_roundtrip(x: torch.Tensor, group: int = 64) -> torch.Tensor:
 
 
 def finish_kv(kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, fake_quant: bool) -> torch.Tensor:
-    """The K=V row [..., D] (x's dtype) from its `kv_norm` output kv [..., D]: with `fake_quant` its
+    """The K=V row [..., D] (kv's dtype) from its `kv_norm` output kv [..., D]: with `fake_quant` its
     non-rope channels (the leading D - R, R = 2 * cos.shape[-1]) through `fp8_ue8m0_roundtrip`, then
     `apply_interleaved_rope` at cos, sin [..., R / 2] (fp32). The torch chain of
     `kernels.step.kv_finish` (the CPU path and that launch's oracle)."""
