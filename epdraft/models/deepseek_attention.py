@@ -5,7 +5,8 @@ V4.1 (`q_norm=False`) follows the architecture description (reference draft_mode
 checked against a released V4.1 export.
 
 Served by `DeepseekDSparkDraft` (deepseek_dspark.py). The torch code here is the CPU path and the
-oracle of the step's Triton launches (`kernels.step.sink_attention`, `kernels.step.ops.rms_norm`).
+oracle of the step's Triton launches (`kernels.step.sink_attention`, `kernels.step.ops.rms_norm`,
+`kernels.step.kv_finish`).
 
 Shape legend: N requests, B block rows (the queries), L context positions, S context rows handed to one
 block (a window of at most `window` rows, in any order), h query heads, D head_dim (the one K=V head:
@@ -20,6 +21,7 @@ from torch import nn
 
 from epdraft.errors import ConfigError
 from epdraft.kernels.step import sink_attention as sink_kernel
+from epdraft.kernels.step.kv_finish import kv_finish, kv_finish_store
 from epdraft.kernels.step.ops import rms_norm
 
 # DeepSeek's per-stage tensor names (`mtp.{i}.attn.<name>`) -> this module's parameter names (the same
@@ -75,6 +77,17 @@ def fp8_ue8m0_roundtrip(x: torch.Tensor, group: int = 64) -> torch.Tensor:
     scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
     q = (g / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
     return q.flatten(-2).to(x.dtype)
+
+
+def finish_kv(kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, fake_quant: bool) -> torch.Tensor:
+    """The K=V row [..., D] (kv's dtype) from its `kv_norm` output kv [..., D]: with `fake_quant` its
+    non-rope channels (the leading D - R, R = 2 * cos.shape[-1]) through `fp8_ue8m0_roundtrip`, then
+    `apply_interleaved_rope` at cos, sin [..., R / 2] (fp32). The torch chain of
+    `kernels.step.kv_finish` (the CPU path and that launch's oracle)."""
+    R = 2 * cos.shape[-1]
+    if fake_quant and R < kv.shape[-1]:  # the non-rope channels as DeepSeek's serving stores them (FP8, ue8m0)
+        kv = torch.cat([fp8_ue8m0_roundtrip(kv[..., :-R]), kv[..., -R:]], dim=-1)
+    return apply_interleaved_rope(kv, cos, sin)
 
 
 def context_window(
@@ -169,7 +182,10 @@ class DeepseekDSparkAttention(nn.Module):
     `kv_fake_quant`: every K=V row's non-rope channels go through `fp8_ue8m0_roundtrip` (SpecForge V4
     exports are trained so). `fused_norms`: the two norms as one launch each (`DeepseekRMSNorm`);
     `fused_attention`: the attention proper (scores, sinks, softmax, values, the inverse rotation) as
-    one launch (`kernels.step.sink_attention`, where its shapes fit), else `sink_attention` in torch.
+    one launch (`kernels.step.sink_attention`, where its shapes fit), else `sink_attention` in torch;
+    `fused_kv`: the K=V row's finish (the fake quant and the rotary, `finish_kv`) as one launch
+    (`kernels.step.kv_finish`), which a commit also uses to write the rows into the ring
+    (`store_context_kv`).
     DeepSeek's FP8 linears must be dequantized before loading (not handled here).
 
     Raises ConfigError for shapes that cannot be laid out (h not divisible by G, R odd or > D).
@@ -191,6 +207,7 @@ class DeepseekDSparkAttention(nn.Module):
         kv_fake_quant: bool = False,
         fused_norms: bool = False,
         fused_attention: bool = False,
+        fused_kv: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ):
@@ -206,7 +223,7 @@ class DeepseekDSparkAttention(nn.Module):
         self.num_heads, self.head_dim, self.rope_head_dim = num_heads, head_dim, rope_head_dim
         self.o_groups, self.o_lora_rank = o_groups, o_lora_rank
         self.rope_theta, self.eps, self.q_norm = rope_theta, rms_norm_eps, q_norm
-        self.kv_fake_quant = kv_fake_quant
+        self.kv_fake_quant, self.fused_kv = kv_fake_quant, fused_kv
         self.fused_attention = fused_attention and sink_kernel.fits(head_dim, rope_head_dim)
         self.scale = head_dim**-0.5
         kw = dict(dtype=dtype, device=device)
@@ -225,10 +242,31 @@ class DeepseekDSparkAttention(nn.Module):
 
     def _kv(self, x_NTH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         kv = self.kv_norm(self.kv_proj(x_NTH))
-        if self.kv_fake_quant:  # the non-rope channels as DeepSeek's serving stores them (FP8, ue8m0 scales)
-            R = self.rope_head_dim
-            kv = torch.cat([fp8_ue8m0_roundtrip(kv[..., :-R]), kv[..., -R:]], dim=-1) if R < self.head_dim else kv
-        return apply_interleaved_rope(kv, cos, sin)
+        if not self.fused_kv:
+            return finish_kv(kv, cos, sin, fake_quant=self.kv_fake_quant)
+        D, half = self.head_dim, self.rope_head_dim // 2
+        rows = kv.shape[:-1]
+        cos_TR, sin_TR = (torch.broadcast_to(t, (*rows, half)).reshape(-1, half) for t in (cos, sin))
+        return kv_finish(kv.reshape(-1, D), cos_TR, sin_TR, fake_quant=self.kv_fake_quant).view(*rows, D)
+
+    def store_context_kv(
+        self,
+        hidden_TH: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        slot_T: torch.Tensor,
+        position_T: torch.Tensor,
+        ring_PWD: torch.Tensor,
+    ) -> None:
+        """`context_kv` of T context rows hidden_TH [T, H] written straight into a ring [P, W, D]
+        (`WindowKVPool.kv[layer]`) at ring[slot_T, position_T % W], cast to the ring's dtype, as
+        `WindowKVPool.store` writes them: one launch after the projection and the norm
+        (`kernels.step.kv_finish.kv_finish_store`). rope: cos, sin [T, R / 2] fp32 of position_T
+        (`self.rope`). Only with `fused_kv` (a commit otherwise stores `context_kv`'s rows)."""
+        if not self.fused_kv:
+            raise ConfigError("store_context_kv: this attention was built without fused_kv (the torch path "
+                              "stores context_kv's rows with WindowKVPool.store)")  # fmt: skip
+        kv_finish_store(self.kv_norm(self.kv_proj(hidden_TH)), *rope, slot_T, position_T, ring_PWD,
+                        fake_quant=self.kv_fake_quant)  # fmt: skip
 
     def context_kv(
         self, hidden_NLH: torch.Tensor, positions_NL: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -21,8 +21,9 @@ V4.1 export.
 
 On CUDA the norms and the mHC mixing run as Triton launches with the step's other small ops
 (`kernels.step.hc`, when `kernels.step_ops` is "triton") and the attention proper as one launch
-(`kernels.step.sink_attention`, with `kernels.attention`); the projections, rotary and the K=V row's
-FP8 round trip stay torch. The step has no host sync, so
+(`kernels.step.sink_attention`, with `kernels.attention`); the K=V row's FP8 round trip and rotary
+as one launch too (`kernels.step.kv_finish`, with the step ops), which in a commit also writes the
+rows into the ring. The projections and the queries' rotary stay torch. The step has no host sync, so
 `draft.cuda_graphs` replays it from a CUDA graph per bucket like DFlash's (`runtime.graphs`).
 
 Shape legend: N requests, B block rows, H hidden, c hc_mult streams, W window, D head_dim, k drafts.
@@ -74,7 +75,8 @@ class DeepseekDSparkLayer(nn.Module):
         self.attn = DeepseekDSparkAttention(
             H, spec.num_heads, d.q_lora_rank, spec.head_dim, d.rope_head_dim, d.o_groups, d.o_lora_rank,
             rope_theta=spec.rope_theta, rms_norm_eps=eps, q_norm=d.q_norm, kv_fake_quant=d.kv_fake_quant,
-            fused_norms=fused, fused_attention=kernels.attention == "triton", dtype=dtype, device=device,
+            fused_norms=fused, fused_attention=kernels.attention == "triton", fused_kv=fused, dtype=dtype,
+            device=device,
         )  # fmt: skip
         self.ffn_hc = HyperConnection(H, **hc)
         self.ffn_norm = DeepseekRMSNorm(H, eps, fused=fused, dtype=dtype, device=device)
@@ -190,10 +192,13 @@ class DeepseekDSparkDraft(nn.Module):
         rows are kept), then the lengths advance. N >= 1; fixed shapes, no host sync: a CUDA graph
         can hold it (`CommitGraphs`)."""
         slot_T, position_T = pool.placement(slots_N, counts_N, features_TF.shape[0])
-        main_1TH = self.fuse_features(features_TF.to(self.device)).unsqueeze(0)
-        rope = self.layers[0].attn.rope(position_T.unsqueeze(0))  # every layer rotates alike: one table for all
+        main_TH = self.fuse_features(features_TF.to(self.device))
+        rope = self.layers[0].attn.rope(position_T)  # every layer rotates alike: one table for all
         for layer_id, layer in enumerate(self.layers):
-            pool.store(layer_id, slot_T, position_T, layer.attn.context_kv(main_1TH, position_T.unsqueeze(0), rope)[0])
+            if layer.attn.fused_kv:  # the K=V rows' finish and the ring write in one launch
+                layer.attn.store_context_kv(main_TH, rope, slot_T, position_T, pool.kv[layer_id])
+            else:
+                pool.store(layer_id, slot_T, position_T, layer.attn.context_kv(main_TH, position_T, rope))
         pool.advance(slots_N, counts_N)
 
     @torch.no_grad()

@@ -1,23 +1,35 @@
 """A DeepSeek DSpark draft's Triton launches against the torch code they replace (the CPU path):
 the mHC mixing (`epdraft.kernels.step.hc` vs `epdraft.models.hyper_connections`), DeepSeek's RMSNorm
-(`ops.rms_norm(round_first=False)`) and the sink attention over the window and the block
-(`epdraft.kernels.step.sink_attention` vs `sink_attention` + the inverse rotation): fp32 rounding
-order apart in fp32, at most one bf16 rounding apart in bf16; and the modules built fused equal the
-torch ones."""
+(`ops.rms_norm(round_first=False)`), the sink attention over the window and the block
+(`epdraft.kernels.step.sink_attention` vs `sink_attention` + the inverse rotation) and the K=V row's
+finish (`epdraft.kernels.step.kv_finish` vs `finish_kv`, and its ring form vs `WindowKVPool.store`):
+fp32 rounding order apart in fp32, at most one bf16 rounding apart in bf16 (the K=V row's FP8 channels
+bit for bit); and the modules and the draft's commit built fused equal the torch ones."""
 
 from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
-from epdraft.kernels.step import hc, sink_attention as sink_kernel
+from epdraft.bench.step import RandomHeads
+from epdraft.kernels.step import hc, kv_finish as kv_kernel, sink_attention as sink_kernel
+from epdraft.layers.step_kernels import StepKernels
+from epdraft.models import load_draft
 from epdraft.models.deepseek_attention import (
     DeepseekDSparkAttention,
     DeepseekRMSNorm,
     apply_interleaved_rope,
+    finish_kv,
     interleaved_rope_cos_sin,
     sink_attention,
 )
+from epdraft.models.kv_pool import WindowKVPool
 from epdraft.models.hyper_connections import (
     HyperConnection,
     Streams,
@@ -30,6 +42,7 @@ from epdraft.models.hyper_connections import (
 pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -138,11 +151,12 @@ def test_a_fused_deepseek_attention_equals_the_torch_one(q_norm):
     kw = dict(rope_theta=10000.0, rms_norm_eps=1e-6, q_norm=q_norm, kv_fake_quant=True, dtype=torch.bfloat16,
               device=DEVICE)  # fmt: skip
     plain = DeepseekDSparkAttention(256, 8, 64, 128, 64, 2, 32, **kw)
-    fused = DeepseekDSparkAttention(256, 8, 64, 128, 64, 2, 32, fused_norms=True, fused_attention=True, **kw)
+    fused = DeepseekDSparkAttention(256, 8, 64, 128, 64, 2, 32, fused_norms=True, fused_attention=True,
+                                    fused_kv=True, **kw)  # fmt: skip
     for p in plain.parameters():
         torch.nn.init.normal_(p, std=0.1)
     fused.load_state_dict(plain.state_dict())
-    assert fused.fused_attention
+    assert fused.fused_attention and fused.fused_kv
     N, B, L = 3, 5, 20
     x = torch.randn(N, B, 256, device=DEVICE).bfloat16()
     ctx_pos = torch.arange(L, device=DEVICE).expand(N, L)
@@ -150,3 +164,155 @@ def test_a_fused_deepseek_attention_equals_the_torch_one(q_norm):
     valid = torch.arange(L, device=DEVICE) < torch.tensor([[7], [20], [1]], device=DEVICE)
     positions = torch.tensor([7, 20, 1], device=DEVICE).unsqueeze(1) + torch.arange(B, device=DEVICE)
     _close(fused(x, positions, ctx, valid), plain(x, positions, ctx, valid), torch.bfloat16)
+
+
+def _kv_rows(T: int, D: int, R: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """[T, D] K=V rows over a spread of magnitudes (randn times 2^[-20, 10) per row); every 4th row's
+    groups have their amax exactly 448 * 2^k (scale 2^k: nothing clamps), every 4th + 1 lies under the
+    1e-4 floor (scale 2^-22: FP8 subnormals)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    mag = torch.exp2(torch.randint(-20, 10, (T, 1), generator=gen, device=DEVICE).float())
+    kv = torch.randn(T, D, generator=gen, device=DEVICE) * mag
+    nope = D - R
+    group = 64 if nope % 64 == 0 else nope
+    exact = kv[0::4, :nope].unflatten(-1, (-1, group))  # a view: written through
+    k = torch.exp2(torch.randint(-14, 6, (*exact.shape[:-1], 1), generator=gen, device=DEVICE).float())
+    exact.copy_(torch.randn(exact.shape, generator=gen, device=DEVICE).clamp(-3, 3) * 100 * k)
+    exact[..., :1] = 448.0 * k * torch.where(torch.rand(k.shape, generator=gen, device=DEVICE) < 0.5, -1.0, 1.0)
+    kv[1::4] = torch.randn(kv[1::4].shape, generator=gen, device=DEVICE) * 1e-6
+    return kv.to(dtype)
+
+
+def _same_kv(got: torch.Tensor, want: torch.Tensor, R: int) -> None:
+    """K=V rows [..., D]: the FP8 channels bit for bit (the kernel's exact scale equals the torch
+    chain's on every bf16 row, and on fp32 rows but within fp32 ulps above 448 * 2^k: kv_finish's
+    docstring), the rotated ones within one rounding to their dtype of the row's largest (the GPU
+    may fuse the rotation's products and sum into an FMA)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    got, want = got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1])
+    bad = (got[:, :-R] != want[:, :-R]).any(-1).nonzero()[:5, 0].tolist()
+    assert not bad, f"FP8 channels differ in rows {bad}"
+    if got.shape[0]:
+        err = (got[:, -R:].float() - want[:, -R:].float()).abs().amax(-1)
+        scale = want[:, -R:].float().abs().amax(-1).clamp_min(1e-30)
+        tol = 2**-7 if got.dtype == torch.bfloat16 else 2**-21
+        assert bool((err <= tol * scale).all()), f"rotated channels: max |d| / row max {float((err / scale).max()):.3g}"
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fake_quant", [True, False])
+# V4.1-Flash's K=V head (7 FP8 groups of 64) and tests/models' tiny drafts' (one group of 12)
+@pytest.mark.parametrize("D,R", [(512, 64), (16, 4)])
+@pytest.mark.parametrize("T", [0, 1, 37, 320])
+def test_kv_finish_equals_the_torch_chain(T, D, R, fake_quant, dtype):
+    kv = _kv_rows(T, D, R, dtype, seed=T * 10 + D)
+    positions = torch.randint(0, 100_000, (T,), device=DEVICE)
+    cos, sin = interleaved_rope_cos_sin(positions, R, 10000.0)
+    got = kv_kernel.kv_finish(kv, cos, sin, fake_quant=fake_quant)
+    assert got.shape == (T, D) and got.dtype == dtype
+    _same_kv(got, finish_kv(kv, cos, sin, fake_quant=fake_quant), R)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype,ring_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                              (torch.float32, torch.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize("D,R", [(512, 64), (16, 4)])
+def test_kv_finish_store_equals_the_pool_store_of_the_torch_chain(D, R, dtype, ring_dtype):
+    """A commit's rows as `placement` lays them out (a ring empty, one part-filled, one wrapping past
+    its window, padding rows to the pad slot): the launch writes what `WindowKVPool.store` of the
+    torch chain's rows writes, and leaves every other ring row as it was."""
+    gen = torch.Generator(device=DEVICE).manual_seed(D)
+    pools = [WindowKVPool(1, D, window=8, max_requests=4, max_context=1000, block_size=5, dtype=ring_dtype,
+                          device=DEVICE) for _ in range(2)]  # fmt: skip
+    fill = torch.randn(pools[0].kv[0].shape, generator=gen, device=DEVICE).to(ring_dtype)
+    slots_N = torch.tensor([0, 1, 3, pools[0].pad_slot], device=DEVICE)
+    for pool in pools:
+        pool.kv[0].copy_(fill)
+        pool.advance(slots_N, torch.tensor([0, 5, 37, 0], device=DEVICE))
+    counts_N = torch.tensor([3, 12, 5, 0], device=DEVICE)  # 12 > window 8: the oldest 4 go to the pad slot
+    slot_T, position_T = pools[0].placement(slots_N, counts_N, 24)  # rows 20.. are a bucket's padding
+    kv = _kv_rows(24, D, R, dtype, seed=D + 1)
+    cos, sin = interleaved_rope_cos_sin(position_T, R, 10000.0)
+    pools[0].store(0, slot_T, position_T, finish_kv(kv, cos, sin, fake_quant=True))
+    kv_kernel.kv_finish_store(kv, cos, sin, slot_T, position_T, pools[1].kv[0], fake_quant=True)
+    pad = pools[0].pad_slot  # its rows are written in no fixed order and never read
+    _same_kv(pools[1].kv[0][:pad], pools[0].kv[0][:pad], R)
+    assert torch.equal(pools[1].kv[0][pad, 1:], fill[pad, 1:])  # the pad slot's rows all land on its row 0
+
+
+def _tool_draft(tmp_path: Path, variant: str, kernels: StepKernels | None = None):
+    out = tmp_path / f"draft-{variant}"
+    if not out.exists():
+        flags = ["--v41"] if variant == "v41" else []
+        made = subprocess.run([sys.executable, str(REPO / "tools" / "make_deepseek_dspark_draft.py"), str(out), *flags],
+                              capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+        assert made.returncode == 0, made.stderr
+    return load_draft(out, dtype=torch.bfloat16, device=DEVICE, kernels=kernels).eval()
+
+
+@contextlib.contextmanager
+def _torch_kv(draft) -> Iterator[None]:
+    """The draft's K=V rows by the torch chain (`fused_kv` off), everything else as built."""
+    for layer in draft.layers:
+        layer.attn.fused_kv = False
+    try:
+        yield
+    finally:
+        for layer in draft.layers:
+            layer.attn.fused_kv = True
+
+
+def _commit(draft, pool, seed: int) -> torch.Tensor:
+    """Three requests' prompts (2, 9, 33 rows: rings part-filled and wrapped, window 8), then one
+    padded commit as a graph bucket runs it; returns their slots."""
+    spec, R = draft.spec, draft.num_drafts + 1
+    width = spec.num_target_features * spec.hidden_size
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    for rid in range(3):
+        pool.admit(rid)
+    draft.extend(pool, [0, 1, 2], [torch.randn(n, width, generator=gen, device=DEVICE).bfloat16() for n in (2, 9, 33)])
+    slots = torch.tensor([pool.slot(0), pool.slot(1), pool.slot(2), pool.pad_slot], device=DEVICE)
+    rows = torch.randn(4 * R, width, generator=gen, device=DEVICE).bfloat16()
+    draft.write_context(pool, slots, torch.tensor([R, 1, 5, 0], device=DEVICE), rows)
+    return slots[:3]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("variant", ["v4", "v41"])
+def test_triton_write_context_equals_the_torch_chain(variant, tmp_path):
+    """The tiny tool draft's (D = 32, R = 8: one FP8 group of 24) commit with the K=V launch
+    (`store_context_kv`) against the same draft's torch chain + `WindowKVPool.store`: the rings'
+    FP8 channels bit for bit, the rotated ones within a bf16 rounding; its step's block rows through
+    the launch too (`_kv`) give the same hidden; and against the draft built all torch
+    (`StepKernels.reference()`: its norms round elsewhere), the rings within one bf16 rounding of
+    the norms (one FP8 step in the FP8 channels)."""
+    draft = _tool_draft(tmp_path, variant)
+    assert draft.kernels.step_ops == "triton" and all(layer.attn.fused_kv for layer in draft.layers)
+    R = draft.spec.deepseek.rope_head_dim
+    pools = [draft.new_pool(max_requests=4, max_context=200) for _ in range(3)]
+    slots = _commit(draft, pools[0], seed=3)
+    with _torch_kv(draft):
+        _commit(draft, pools[1], seed=3)
+    assert torch.equal(pools[0].lengths, pools[1].lengths)
+    for got, want in zip(pools[0].buffers, pools[1].buffers):
+        _same_kv(got[:3], want[:3], R)
+    spec = draft.spec
+    heads = RandomHeads(spec.vocab_size, spec.hidden_size, dtype=torch.bfloat16, device=torch.device(DEVICE))
+    anchors, lengths = torch.tensor([3, 5, 7], device=DEVICE), pools[0].lengths[slots].long()
+    windows = [pools[0].window_of(i, slots) for i in range(draft.spec.num_layers)]
+    fused_hidden, _ = draft.block_hidden(anchors, lengths, windows, heads, None)
+    with _torch_kv(draft):
+        torch_hidden, _ = draft.block_hidden(anchors, lengths, windows, heads, None)
+    _close(fused_hidden, torch_hidden, torch.bfloat16)
+
+    reference = _tool_draft(tmp_path, variant, kernels=StepKernels.reference())
+    assert not any(layer.attn.fused_kv for layer in reference.layers)
+    _commit(reference, pools[2], seed=3)
+    assert torch.equal(pools[0].lengths, pools[2].lengths)
+    for got, want in zip(pools[0].buffers, pools[2].buffers):
+        got, want, D = got[:3].float(), want[:3].float(), got.shape[-1]
+        # the norms' bf16 roundings differ now and then, and a value moved by one bf16 ulp across an FP8
+        # rounding boundary moves by one e4m3 step (2^-3 of it at most)
+        torch.testing.assert_close(got[..., : D - R], want[..., : D - R], rtol=2**-3, atol=1e-2)
+        torch.testing.assert_close(got[..., D - R :], want[..., D - R :], rtol=2**-7, atol=1e-2)
