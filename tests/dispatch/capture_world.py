@@ -102,6 +102,7 @@ def run_captured_cases(
         layout = MoeLayout(
             layout=layout_name, backend=backend, dp_padding=padding, max_rows_per_rank=max(rows),
             num_experts=spec.num_experts, hidden_size=options.hidden, top_k=spec.top_k, device_type="cuda",
+            low_latency=options.low_latency,
         )  # fmt: skip
         dispatcher = make_dispatcher(layout, group)
         full = reference_moe(spec, 300 + case_idx, options)
