@@ -24,7 +24,6 @@ costliest after the table.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -32,8 +31,8 @@ import torch
 from epdraft.bench.ceilings import memory_bytes_per_s
 from epdraft.bench.drafts import random_draft
 from epdraft.bench.step import (
-    TENSOR_FLOPS, RandomHeads, _ints, _profile, add_draft_arguments, floor_seconds, preset_draft_config,
-    time_alternately_ms, touched_experts,
+    TENSOR_FLOPS, RandomHeads, _ints, _profile, add_draft_arguments, emit, floor_seconds, preset_draft_config,
+    print_profiles, time_alternately_ms, touched_experts,
 )  # fmt: skip
 from epdraft.bench.step_plot import plot, pyplot, read_results
 from epdraft.dispatch import StepPlan
@@ -182,15 +181,6 @@ def main(args: argparse.Namespace) -> int:
                 profiles.append((n, context, busy_us, top))
         del step_graphs, commit_graphs, pool
         torch.cuda.empty_cache()
-    for n, context, busy_us, top in profiles:
-        print(f"top kernels of one commit, N {n}, context {context} ({busy_us:.0f} µs of kernels):")
-        for name, calls, us in top:
-            print(f"{calls:>6} x {us / calls:>7.1f} µs = {us:>8.1f} µs  {name[:100]}")
-    for row in results:
-        print(json.dumps(row))
-    if args.json:
-        with open(args.json, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in results)
-    if plt is not None:
-        plot(plt, results, args.plot, kind="iteration", what=WHAT)
+    print_profiles(profiles, "one commit")
+    emit(results, args, plt, kind="iteration", what=WHAT)
     return 0

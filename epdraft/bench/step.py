@@ -447,20 +447,30 @@ def main(args: argparse.Namespace) -> int:
                     profiles.append((n, context, busy_us, top))
         del state
         torch.cuda.empty_cache()
-    for n, context, busy_us, top in profiles:
-        print(f"top kernels of one eager step, N {n}, context {context} ({busy_us:.0f} µs of kernels):")
-        for name, calls, us in top:
-            print(f"{calls:>6} x {us / calls:>7.1f} µs = {us:>8.1f} µs  {name[:100]}")
+    print_profiles(profiles, "one eager step")
     if args.attention:
         results += _attention_table(spec, requests, contexts, args, device, bytes_per_s)
+    emit(results, args, plt)
+    return 0
+
+
+def print_profiles(profiles: list[tuple[int, int, float, list]], what: str) -> None:
+    """Each point's costliest kernels (`kernel_breakdown`'s top), after the table."""
+    for n, context, busy_us, top in profiles:
+        print(f"top kernels of {what}, N {n}, context {context} ({busy_us:.0f} µs of kernels):")
+        for name, calls, us in top:
+            print(f"{calls:>6} x {us / calls:>7.1f} µs = {us:>8.1f} µs  {name[:100]}")
+
+
+def emit(results: list[dict], args: argparse.Namespace, plt, *, kind: str = "step", what: str = "draft step") -> None:
+    """The JSON lines on stdout, appended to `--json`, and the `--plot` (when asked) of the rows of `kind`."""
     for row in results:
         print(json.dumps(row))
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)
     if plt is not None:
-        plot(plt, results, args.plot)
-    return 0
+        plot(plt, results, args.plot, kind=kind, what=what)
 
 
 def _attention_table(
