@@ -126,8 +126,8 @@ def main(args: argparse.Namespace) -> int:
             turn = [0]
 
             def reset() -> None:  # every timed call starts from a context of exactly `context` rows
-                pool.lengths[:n].fill_(context)
-                pool._host_lengths[:n] = [context] * n
+                for rid in ids:
+                    pool.set_length(rid, context)
                 turn[0] = (turn[0] + 1) % len(outcomes)
 
             def commit_graph() -> None:

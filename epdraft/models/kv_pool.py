@@ -113,6 +113,16 @@ class RequestSlots:
         that wrote the rows: the host never reads it back)."""
         self._host_lengths[self.slot(request_id)] += rows
 
+    def set_length(self, request_id: int, length: int) -> None:
+        """Declare a request's committed context length (host and device) without writing rows: a
+        rollback to a length it had, or a benchmark whose context rows are random. RequestError
+        naming draft.max_context when it does not fit."""
+        if not 0 <= length <= self.max_context:
+            raise RequestError(
+                f"request {request_id}: context length {length} outside [0, draft.max_context = {self.max_context}]"
+            )
+        self._set_length(self.slot(request_id), length)
+
     def append(
         self,
         request_ids: Sequence[int],

@@ -108,3 +108,16 @@ def test_pooled_step_equals_the_cache_reference_for_every_variant(variant, tmp_p
         expected = reference_step(draft, caches, anchors, target).drafts_NK
         assert expected.shape == (3, spec.num_drafts)
         assert torch.equal(draft.step(pool, slots, anchors, target, None).drafts_NK, expected)
+
+
+def test_set_length_moves_host_and_device_lengths_within_max_context():
+    pool = _pool()
+    a = pool.admit(3)
+    pool.set_length(3, 7)
+    assert pool.length(3) == 7 and pool.lengths[a] == 7
+    pool.set_length(3, 2)  # a rollback
+    assert pool.length(3) == 2 and pool.lengths[a] == 2
+    with pytest.raises(RequestError, match=r"request 3: context length 11 outside \[0, draft.max_context = 10\]"):
+        pool.set_length(3, 11)
+    with pytest.raises(RequestError, match="request 4 has no KV pool slot"):
+        pool.set_length(4, 1)
