@@ -31,6 +31,7 @@ Shape legend: N requests, B block rows, H hidden, c hc_mult streams, W window, D
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -179,8 +180,7 @@ class DeepseekDSparkDraft(nn.Module):
         """Append each request's committed rows' target features [L_i, K*H] to its ring (local, no
         FFN; `write_context` over the rows packed). Raises RequestError naming draft.max_context
         (before writing anything) when a request outgrows it."""
-        pool.append(request_ids, features, lambda slots_N, counts_N, rows_TF: self.write_context(
-            pool, slots_N, counts_N, rows_TF))  # fmt: skip
+        pool.append(request_ids, features, functools.partial(self.write_context, pool))
 
     @torch.no_grad()
     def write_context(

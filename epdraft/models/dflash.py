@@ -14,6 +14,7 @@ mask). `epdraft.models.reference` runs the same layers over per-request caches: 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -241,8 +242,7 @@ class DFlashDraft(nn.Module):
         (local, no FFN): each request's new K/V rows go to its slot, in place (`write_context` over
         the rows packed). Raises RequestError naming draft.max_context (before writing anything)
         when a request's rows do not fit."""
-        pool.append(request_ids, features, lambda slots_N, counts_N, rows_TF: self.write_context(
-            pool, slots_N, counts_N, rows_TF))  # fmt: skip
+        pool.append(request_ids, features, functools.partial(self.write_context, pool))
 
     @torch.no_grad()
     def write_context(

@@ -129,17 +129,28 @@ class RequestSlots:
         features: Sequence[torch.Tensor],
         write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
     ) -> None:
-        """The host side of appending each request's rows features[i] [L_i, F] to its context:
-        refuse (RequestError naming draft.max_context) before writing anything when a request's
-        rows do not fit, run `write(slots_N, counts_N, packed rows [sum L_i, F])` (a draft's
-        `write_context`, on the rows' device), then book the lengths."""
+        """`append_packed` of each request's rows features[i] [L_i, F], given one tensor each."""
         counts = [f.shape[0] for f in features]
+        self.append_packed(request_ids, counts, torch.cat(list(features)) if sum(counts) else None, write)
+
+    def append_packed(
+        self,
+        request_ids: Sequence[int],
+        counts: Sequence[int],
+        rows_TF: torch.Tensor | None,
+        write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+    ) -> None:
+        """The host side of appending request i's counts[i] rows, packed in order in rows_TF [sum, F]
+        (None when there are none), to its context: refuse (RequestError naming draft.max_context)
+        before writing anything when a request's rows do not fit, run `write(slots_N, counts_N,
+        rows_TF)` (a draft's `write_context` bound to this pool, on the rows' device), then book the
+        lengths."""
         for rid, n in zip(request_ids, counts):
             self.check_room(rid, n)
         if sum(counts):
-            device = features[0].device
+            device = rows_TF.device
             slots_N = torch.tensor([self.slot(r) for r in request_ids], dtype=torch.long, device=device)
-            write(slots_N, torch.tensor(counts, dtype=torch.long, device=device), torch.cat(list(features)))
+            write(slots_N, torch.tensor(list(counts), dtype=torch.long, device=device), rows_TF)
         for rid, n in zip(request_ids, counts):
             self.book(rid, n)
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -427,11 +428,13 @@ class DraftRuntime:
         """
         self._check_flags(f"{len(result.request_ids)} requests verified")
         ids = list(result.request_ids)
+        if not ids:
+            return
+        counts = result.commit_lens.tolist()
         with self._phase("draft_context"):
-            if self.commit_graphs is None or not ids:
-                self.draft.extend(self.pool, ids, [result.features[result.rows(i)] for i in range(len(ids))])
+            if self.commit_graphs is None:  # the packed rows as they come: no per-request split
+                self.pool.append_packed(ids, counts, result.features, functools.partial(self.draft.write_context, self.pool))
                 return
-            counts = result.commit_lens.tolist()
             for rid, n in zip(ids, counts):
                 self.pool.check_room(rid, n)
             self.commit_graphs.run([self.pool.slot(r) for r in ids], counts, result.features)

@@ -72,6 +72,21 @@ def rms_norm(
     return out.view(shape), s2.view(shape)
 
 
+def _check_pool_store(
+    name: str, first: str, rows: tuple[torch.Tensor, ...], pool_k: torch.Tensor, pool_v: torch.Tensor,
+    cos_CR: torch.Tensor, sin_CR: torch.Tensor,
+) -> None:  # fmt: skip
+    """ConfigError unless the rows (the first called `first`) are in the pool's dtype, the rotary
+    table is fp32 and every tensor's last dim is contiguous: what the pool-writing launches assume."""
+    if pool_k.dtype != rows[0].dtype or cos_CR.dtype != torch.float32:
+        raise ConfigError(
+            f"{name}: {first} is {rows[0].dtype}, the pool {pool_k.dtype}, the rotary table {cos_CR.dtype}: "
+            "the kernel rounds where the torch chain does only for a pool in the model's dtype and an fp32 table"
+        )
+    if any(t.stride(-1) != 1 for t in (*rows, pool_k, pool_v, cos_CR, sin_CR)):
+        raise ConfigError(f"{name}: every tensor's last dim must be contiguous")
+
+
 def qk_norm_rope_store(
     q_TX: torch.Tensor,
     k_TX: torch.Tensor,
@@ -107,13 +122,7 @@ def qk_norm_rope_store(
             f"qk_norm_rope_store: q {tuple(q_TX.shape)}, k {tuple(k_TX.shape)}, v {tuple(v_TX.shape)}, pool "
             f"{tuple(pool_k_PgCD.shape)}: expected widths h*D, g*D, g*D and a pool [P, g, C, D] for D = {D}"
         )
-    if pool_k_PgCD.dtype != q_TX.dtype or cos_CR.dtype != torch.float32:
-        raise ConfigError(
-            f"qk_norm_rope_store: q is {q_TX.dtype}, the pool {pool_k_PgCD.dtype}, the rotary table {cos_CR.dtype}: "
-            "the kernel rounds where the torch chain does only for a pool in the model's dtype and an fp32 table"
-        )
-    if any(t.stride(-1) != 1 for t in (q_TX, k_TX, v_TX, pool_k_PgCD, pool_v_PgCD, cos_CR, sin_CR)):
-        raise ConfigError("qk_norm_rope_store: every tensor's last dim must be contiguous")
+    _check_pool_store("qk_norm_rope_store", "q", (q_TX, k_TX, v_TX), pool_k_PgCD, pool_v_PgCD, cos_CR, sin_CR)
     positions_NB, slots_N = positions_NB.contiguous(), slots_N.contiguous()  # read as flat arrays
     q_out = torch.empty(N, B, h, D, dtype=pool_k_PgCD.dtype, device=q_TX.device)
     if N:
@@ -155,13 +164,7 @@ def kv_norm_rope_store(
             f"kv_norm_rope_store: k {tuple(k_TX.shape)}, v {tuple(v_TX.shape)}, pool {tuple(pool_k_PgCD.shape)}: "
             f"expected widths g*D and a pool [P, g, C, D] for D = {D}"
         )
-    if pool_k_PgCD.dtype != k_TX.dtype or cos_CR.dtype != torch.float32:
-        raise ConfigError(
-            f"kv_norm_rope_store: k is {k_TX.dtype}, the pool {pool_k_PgCD.dtype}, the rotary table {cos_CR.dtype}: "
-            "the kernel rounds where the torch chain does only for a pool in the model's dtype and an fp32 table"
-        )
-    if any(t.stride(-1) != 1 for t in (k_TX, v_TX, pool_k_PgCD, pool_v_PgCD, cos_CR, sin_CR)):
-        raise ConfigError("kv_norm_rope_store: every tensor's last dim must be contiguous")
+    _check_pool_store("kv_norm_rope_store", "k", (k_TX, v_TX), pool_k_PgCD, pool_v_PgCD, cos_CR, sin_CR)
     positions_T, slots_T = positions_T.contiguous(), slots_T.contiguous()
     if positions_T.shape[0]:
         kv_rope_store_kernel[(positions_T.shape[0],)](
