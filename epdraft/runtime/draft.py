@@ -433,7 +433,8 @@ class DraftRuntime:
         counts = result.commit_lens.tolist()
         with self._phase("draft_context"):
             if self.commit_graphs is None:  # the packed rows as they come: no per-request split
-                self.pool.append_packed(ids, counts, result.features, functools.partial(self.draft.write_context, self.pool))
+                write = functools.partial(self.draft.write_context, self.pool)
+                self.pool.append_packed(ids, counts, result.features, write)
                 return
             for rid, n in zip(ids, counts):
                 self.pool.check_room(rid, n)
