@@ -6,11 +6,13 @@
 #
 #   tune       issue 32: the fused experts tuned at V4.1-Flash's expert shape (V41F) in bf16 and mxfp4
 #              (tables written into the checkout's epdraft/kernels/experts/configs, where the later
-#              parts read them, and copied to $OUT/configs to commit), then FP4 vs bf16 at T <= 128
+#              parts read them, and returned as $OUT/tables.tar to commit; TUNE_SHAPES, TUNE_WEIGHTS,
+#              TUNE_TOKENS override what is tuned), then FP4 vs bf16 at T <= 128
 #   step       issues 31 + 32: `bench step --preset v41-flash`, the bf16 draft and the released layout
 #              (FP4 experts, FP8 linears as loaded) side by side, N 1 / 8 / 32 / 64, ctx 1k and 8k
 #   iteration  issue 33: `bench iteration` on the bench step preset (issue13), N 1..128, ctx 1k and 8k,
 #              and on v41-flash at 1k
+#   sync       issue 33: `bench sync --ranks 2 4 8 16` on the machine's CPUs (a core per rank at W = 16)
 #   linear     issue 32: `bench linear` (the FP8-linears decision, measured on the H200)
 #   random     issue 33: the random pair through `epdraft run` with graphs (ms per draft iteration)
 #              beside `bench iteration` at its N and context (tools/gpu_iteration.sh random)
@@ -24,16 +26,18 @@ for part in "${@:-tune}"; do
   case $part in
     tune)
       before=$(ls epdraft/kernels/experts/configs)
-      bench kernel --tune V41F --tune-weights bf16,mxfp4 --shapes V41F --weights bf16,mxfp4 --tokens 16,32,64,128 \
-        --json "$OUT/kernel-v41f.jsonl"
+      bench kernel --tune "${TUNE_SHAPES:-V41F}" --tune-weights "${TUNE_WEIGHTS:-bf16,mxfp4}" --shapes V41F \
+        --weights bf16,mxfp4 --tokens "${TUNE_TOKENS:-16,32,64,128}" --json "$OUT/kernel-v41f.jsonl"
       mkdir -p "$OUT/configs"
       for f in $(ls epdraft/kernels/experts/configs); do
         echo "$before" | grep -qx "$f" || cp "epdraft/kernels/experts/configs/$f" "$OUT/configs/"
       done
-      ls "$OUT/configs" | tee -a "$LOG" ;;
+      ls "$OUT/configs" | tee -a "$LOG"
+      tar -cf "$OUT/tables.tar" -C "$OUT/configs" . && rm -r "$OUT/configs" ;;  # names with '=' do not come back
+    sync) timeout 300 python3 -m epdraft.cli bench sync --ranks 2 4 8 16 2>&1 | tee -a "$LOG" ;;
     step)
-      bench step --preset v41-flash --weights bf16,quantized --requests 1,8,32,64 --context 1024,8192 --steps 20 \
-        --warmup 5 --temperature 0.8 --profile 8 --json "$OUT/step-v41-flash.jsonl" ;;
+      bench step --preset v41-flash --weights bf16,quantized --requests 1,8,32,64 --context "${CONTEXT:-1024,8192}" --steps 20 \
+        --warmup 5 --temperature 0.8 --profile "${PROFILE:-8}" --json "$OUT/step-v41-flash.jsonl" ;;
     iteration)
       bench iteration --preset issue13 --requests 1,8,32,64,128 --context 1024,8192 --steps 20 --warmup 5 \
         --json "$OUT/iteration.jsonl"
@@ -41,6 +45,6 @@ for part in "${@:-tune}"; do
         --json "$OUT/iteration.jsonl" ;;
     linear) bench linear --preset v41-flash --rows 5,40,160,320 --json "$OUT/linear.jsonl" ;;
     random) OUT=$OUT "$(dirname "$0")/gpu_iteration.sh" random ;;
-    *) echo "unknown part $part (tune, step, iteration, linear, random)" | tee -a "$LOG"; exit 2 ;;
+    *) echo "unknown part $part (tune, sync, step, iteration, linear, random)" | tee -a "$LOG"; exit 2 ;;
   esac
 done
