@@ -146,7 +146,7 @@ class StepGraphs:
 class _CapturedCommit:
     graph: torch.cuda.CUDAGraph
     inputs: _Inputs  # rows: slots, counts
-    features: torch.Tensor  # [b * rows_per_request, F] in the draft's dtype
+    features: torch.Tensor  # [b * rows_per_request, F]: the prefix of CommitGraphs' shared rows
 
 
 class CommitGraphs:
@@ -154,7 +154,9 @@ class CommitGraphs:
     to its pool) per bucket of requests, T = bucket x `rows_per_request`.
 
     pad_slot: the slot padding requests name (with 0 rows). width, dtype: the rows' feature width
-    and the dtype the draft's fc reads (the static rows are held in it).
+    and the dtype the draft's fc reads (the static rows are held in it). Every bucket's graph reads
+    a prefix of one static rows buffer of the largest bucket (replays run one after another on one
+    stream, so they never need two).
     """
 
     def __init__(
@@ -173,6 +175,7 @@ class CommitGraphs:
         self.width, self.dtype, self.device = width, dtype, device
         self._captured: dict[int, _CapturedCommit] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        self._rows: torch.Tensor | None = None
 
     def run(self, slots: list[int], counts: list[int], features_TF: torch.Tensor) -> None:
         """Commit request i's counts[i] rows, packed in features_TF [sum(counts), F] on the device,
@@ -201,7 +204,10 @@ class CommitGraphs:
         # all padding: the warm-up run below writes junk rows to the pad slot only
         inputs = _Inputs.of([[self.pad_slot] * b, [0] * b], self.device)
         ints = inputs.device
-        features = torch.zeros(b * self.rows_per_request, self.width, dtype=self.dtype, device=self.device)
+        if self._rows is None:
+            self._rows = torch.zeros(max(self.buckets) * self.rows_per_request, self.width, dtype=self.dtype,
+                                     device=self.device)
+        features = self._rows[: b * self.rows_per_request]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):

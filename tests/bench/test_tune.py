@@ -21,6 +21,22 @@ def test_candidates_fit_shared_memory():
             assert c.num_stages * (block_m + c.block_n) * c.block_k * 2 <= 200 * 1024
 
 
+def test_quantized_candidates_fit_at_their_stored_bytes():
+    """MXFP4 / FP8 weight tiles are staged as stored: the tuner offers them tiles bf16 cannot fit
+    (64 x 256 up, 128 x 256 down), each within shared memory at the format's bytes."""
+    for weights, per_weight in (("fp8", 1.0), ("mxfp4", 17 / 32)):
+        ups = tune.up_candidates(16, 48, 128, 4096, weights)
+        downs = tune.down_candidates(16, 48, 128, 2304, weights)
+        for c in ups:
+            assert c.num_stages * (16 * c.block_k * 2 + 2 * c.block_n * c.block_k * per_weight) <= 200 * 1024
+        for c in downs:
+            assert c.num_stages * (16 * c.block_k * 2 + c.block_n * c.block_k * per_weight) <= 200 * 1024
+        assert {(c.block_n, c.block_k) for c in ups} - {(c.block_n, c.block_k) for c in tune.up_candidates(16, 48, 128, 4096)}
+        assert (64, 256) in {(c.block_n, c.block_k) for c in ups}
+        assert (128, 256) in {(c.block_n, c.block_k) for c in downs}
+    assert (64, 256) not in {(c.block_n, c.block_k) for c in tune.up_candidates(16, 48, 128, 4096)}
+
+
 def test_split_k_candidates():
     """Split-K only for short GEMMs (<= 64 rows per expert), and never more splits than K tiles."""
     short = tune.down_candidates(16, 128, 8, 512)

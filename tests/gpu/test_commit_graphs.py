@@ -15,7 +15,7 @@ import torch
 
 from epdraft.bench.step import RandomHeads
 from epdraft.models import load_draft
-from epdraft.runtime.graphs import CommitGraphs
+from epdraft.runtime.graphs import CommitGraphs, bucket_for
 from tests.gpu.test_draft_step import _draft
 from tests.harness import run_ranks
 
@@ -47,20 +47,22 @@ def test_commit_graph_equals_eager_write_context_without_host_sync(family, tmp_p
     graphs = CommitGraphs(lambda s, c, f: draft.write_context(graphed, s, c, f), pad_slot=graphed.pad_slot,
                           buckets=(1, 2, 4), rows_per_request=R, width=width, dtype=graphed.dtype,
                           device=torch.device("cuda"))  # fmt: skip
-    slots = [graphed.slot(r) for r in range(n)]
-    for step in range(40):
-        counts = [1 + (step * 7 + 3 * i) % R for i in range(n)]
+    for step in range(40):  # 3, 1, 2, 3, ... requests: the buckets 4, 1, 2 share one static rows buffer
+        m = 1 + (step + 2) % n
+        slots = [graphed.slot(r) for r in range(m)]
+        counts = [1 + (step * 7 + 3 * i) % R for i in range(m)]
         rows = torch.randn(sum(counts), width, generator=gen, device="cuda").bfloat16()
         torch.cuda.set_sync_debug_mode("error")
         try:
             graphs.run(slots, counts, rows)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        padded = torch.zeros(bucket * R, width, dtype=rows.dtype, device="cuda")
+        b = bucket_for(graphs.buckets, m)  # the same padded shapes: the GEMMs' results depend on their rows
+        padded = torch.zeros(b * R, width, dtype=rows.dtype, device="cuda")
         padded[: rows.shape[0]] = rows
-        draft.write_context(eager, torch.tensor(slots + [eager.pad_slot] * (bucket - n), device="cuda"),
-                            torch.tensor(counts + [0] * (bucket - n), device="cuda"), padded)  # fmt: skip
-        for rid, c in zip(range(n), counts):
+        draft.write_context(eager, torch.tensor(slots + [eager.pad_slot] * (b - m), device="cuda"),
+                            torch.tensor(counts + [0] * (b - m), device="cuda"), padded)  # fmt: skip
+        for rid, c in zip(range(m), counts):
             eager.book(rid, c)
             graphed.book(rid, c)
     assert torch.equal(graphed.lengths, eager.lengths)
