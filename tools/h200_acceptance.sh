@@ -25,14 +25,14 @@ for part in "${@:-tune}"; do
   echo "=== $part $(date -u +%FT%TZ)" | tee -a "$LOG"
   case $part in
     tune)
-      before=$(ls epdraft/kernels/experts/configs)
+      before=$(cd epdraft/kernels/experts/configs && md5sum -- *.json)
       bench kernel --tune "${TUNE_SHAPES:-V41F}" --tune-weights "${TUNE_WEIGHTS:-bf16,mxfp4}" --shapes V41F \
         --weights bf16,mxfp4 --tokens "${TUNE_TOKENS:-16,32,64,128}" --json "$OUT/kernel-v41f.jsonl"
       mkdir -p "$OUT/configs"
-      for f in $(ls epdraft/kernels/experts/configs); do
-        echo "$before" | grep -qx "$f" || cp "epdraft/kernels/experts/configs/$f" "$OUT/configs/"
+      (cd epdraft/kernels/experts/configs && md5sum -- *.json) | while read -r sum f; do  # new or rewritten
+        echo "$before" | grep -qxF "$sum  $f" || cp "epdraft/kernels/experts/configs/$f" "$OUT/configs/"
       done
-      ls "$OUT/configs" | tee -a "$LOG"
+      ls "$OUT/configs" | tee -a "$LOG"  # every table the tune wrote or rewrote
       tar -cf "$OUT/tables.tar" -C "$OUT/configs" . && rm -r "$OUT/configs" ;;  # names with '=' do not come back
     sync) timeout 300 python3 -m epdraft.cli bench sync --ranks 2 4 8 16 2>&1 | tee -a "$LOG" ;;
     step)
