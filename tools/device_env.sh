@@ -13,7 +13,7 @@ device_log() {
   OUT=${OUT:-./$1}
   mkdir -p "$OUT"
   LOG=$OUT/$1.log
-  date -u +%FT%TZ | tee "$LOG"
+  date -u +%FT%TZ | tee -a "$LOG"  # appended: one device command may run several scripts
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
   ONE="--set cluster.nproc_per_node=1 --set draft.attn_dp=1 --set target.dp=1 --set target.tp=1 --set draft.moe_ep=1"
 }
