@@ -1,7 +1,7 @@
 """`epdraft run` with a tiny random DeepSeek-V4 DSpark draft (tools/make_deepseek_dspark_draft.py) on
 1 CPU rank (replicated) and 2 (alltoall, gather, replicated): lossless, every request served, and
-with sampled requests too (the sampled readout through the Markov head). The V4.1 variant (`--v41`)
-on 1 rank and 2 ranks alltoall. DeepSeek's released layout (issue 32): `--draft` at a tiny
+with sampled requests too (the sampled readout through the Markov head); the V4.1 variant (`--v41`)
+on the same four layouts. DeepSeek's released layout (issue 32): `--draft` at a tiny
 DeepSeek-V4-layout target checkpoint bundling the draft under `mtp.*` (FP8 linears, FP4 experts;
 `--bundle`), V4 and V4.1 (32 x 32 blocks), on 1 rank and 2 ranks alltoall; the ranks load it with
 `load_draft`, whose reads tests/models/test_deepseek_checkpoint.py counts."""
@@ -18,7 +18,7 @@ from tests.e2e.test_run import CASES, run_epdraft
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = ["1rank-replicated", "2rank-alltoall", "2rank-gather-sum_len", "2rank-replicated"]
-VARIANT_LAYOUTS = [("v4", layout) for layout in LAYOUTS] + [("v41", "1rank-replicated"), ("v41", "2rank-alltoall")]
+VARIANT_LAYOUTS = [(variant, layout) for variant in ("v4", "v41") for layout in LAYOUTS]
 
 
 @pytest.mark.timeout(300)
