@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import msgspec
 import pytest
@@ -135,3 +136,25 @@ def test_a_quantized_table_serves_up_to_twice_its_largest_rows_then_the_bf16_tab
         tables.default_config(16, 1, 8)
     )
     assert any("weights=fp8" in r.getMessage() and "the default config" in r.getMessage() for r in caplog.records)
+
+
+_SHIPPED_NAME = re.compile(r"E=(\d+),N=(\d+),K=(\d+),dtype=(bf16|fp16)(?:,weights=(fp8|mxfp4))?,device=(\w+)\.json")
+
+
+@pytest.mark.parametrize("path", sorted(tables.CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_shipped_tables_load_under_their_own_name_and_run_in_their_format(path):
+    """Every table the package ships (tuned on a GPU, some rebuilt from a tuner's log by hand) parses,
+    is named as `config_file_name` names what it serves, and holds configs its weight format's
+    kernels can run: whole K tiles of H for the up GEMM and of I (N / 2) for the down."""
+    match = _SHIPPED_NAME.fullmatch(path.name)
+    assert match, f"{path.name}: not a name config_file_name writes"
+    e, n, k, dtype, weights, device = match.groups()
+    weights = weights or "bf16"
+    dtype_ = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    assert tables.config_file_name(int(e), int(n), int(k), dtype_, device.replace("_", " "), weights) == path.name
+    table = tables.load_table(path)
+    assert table and all(rows > 0 for rows in table)
+    for config in table.values():
+        assert config.block_m in (16, 32, 64, 128)
+        assert tables.fits_format(config.up, weights, int(k)), (path.name, config.up)
+        assert tables.fits_format(config.down, weights, int(n) // 2), (path.name, config.down)
