@@ -7,7 +7,10 @@
 #   tune       issue 32: the fused experts tuned at V4.1-Flash's expert shape (V41F) in bf16 and mxfp4
 #              (tables written into the checkout's epdraft/kernels/experts/configs, where the later
 #              parts read them, and returned as $OUT/tables.tar to commit; TUNE_SHAPES, TUNE_WEIGHTS,
-#              TUNE_TOKENS override what is tuned), then FP4 vs bf16 at T <= 128
+#              TUNE_TOKENS override what is tuned, BENCH_SHAPES / BENCH_WEIGHTS what is timed after),
+#              then FP4 vs bf16 at T <= 128. The H200's C / D tables predate the tuner's stored-byte
+#              tiles; retune them with TUNE_SHAPES=C,D TUNE_WEIGHTS=mxfp4,fp8 BENCH_SHAPES=C,D
+#              BENCH_WEIGHTS=bf16,fp8,mxfp4 TUNE_TOKENS=16,128,512
 #   step       issues 31 + 32: `bench step --preset v41-flash`, the bf16 draft and the released layout
 #              (FP4 experts, FP8 linears as loaded) side by side, N 1 / 8 / 32 / 64, ctx 1k and 8k
 #   iteration  issue 33: `bench iteration` on the bench step preset (issue13), N 1..128, ctx 1k and 8k,
@@ -26,8 +29,9 @@ for part in "${@:-tune}"; do
   case $part in
     tune)
       before=$(cd epdraft/kernels/experts/configs && md5sum -- *.json)
-      bench kernel --tune "${TUNE_SHAPES:-V41F}" --tune-weights "${TUNE_WEIGHTS:-bf16,mxfp4}" --shapes V41F \
-        --weights bf16,mxfp4 --tokens "${TUNE_TOKENS:-16,32,64,128}" --json "$OUT/kernel-v41f.jsonl"
+      bench kernel --tune "${TUNE_SHAPES:-V41F}" --tune-weights "${TUNE_WEIGHTS:-bf16,mxfp4}" \
+        --shapes "${BENCH_SHAPES:-V41F}" --weights "${BENCH_WEIGHTS:-bf16,mxfp4}" --tokens "${TUNE_TOKENS:-16,32,64,128}" \
+        --json "$OUT/kernel-tuned.jsonl"
       mkdir -p "$OUT/configs"
       (cd epdraft/kernels/experts/configs && md5sum -- *.json) | while read -r sum f; do  # new or rewritten
         echo "$before" | grep -qxF "$sum  $f" || cp "epdraft/kernels/experts/configs/$f" "$OUT/configs/"
