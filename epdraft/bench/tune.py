@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 SMEM_BYTES = 200 * 1024  # H100/H200 allow 227 KB per block; leave room for Triton's own scratch
 
 
-WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "mxfp4": 17 / 32}
-"""Bytes a weight tile holds per element in shared memory (MXFP4: half a byte + one e8m0 scale per 32)."""
+WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0, "mxfp4": 17 / 32}
+"""Bytes a weight tile holds per element in shared memory, per weight format (bf16 also stands for
+fp16 weights; MXFP4: half a byte + one e8m0 scale per 32)."""
 
 
 def _smem_fits(block_m: int, block_n: int, block_k: int, stages: int, b_tiles: int, weights: str) -> bool:
