@@ -14,6 +14,9 @@ measured on this kind of GPU, `bench.ceilings`): `propose floor` is `bench step`
 step reads, the experts its routing picked, the lm_head, the context read); the iteration's adds
 what only the commit touches: the features' projection (fc / main_proj), the committed rows'
 features read and their K/V written to the pool (the K/V projections both read are counted once).
+`op floor` takes that max per op (each weight matrix, each layer's experts, the context read, the
+lm_head, the commit) and sums them: kernels run one after another, so a FLOP-bound lm_head cannot
+hide under byte-bound experts as the whole's max assumes. The issue's ratio is `graph/floor`.
 Prints a table and one JSON line per point (`--json FILE` appends); `--plot FILE.png` draws the
 iteration's graph time and floor against N (`--from-json FILE --plot OUT.png` from a saved file).
 `kernels` / `busy ms`: the CUDA kernels of one commit (its `write_context` eagerly, at the graph's
@@ -31,8 +34,8 @@ import torch
 from epdraft.bench.ceilings import memory_bytes_per_s
 from epdraft.bench.drafts import random_draft
 from epdraft.bench.step import (
-    TENSOR_FLOPS, RandomHeads, _ints, _profile, add_draft_arguments, emit, floor_seconds, preset_draft_config,
-    print_profiles, time_alternately_ms, touched_experts,
+    TENSOR_FLOPS, RandomHeads, _ints, _profile, add_draft_arguments, emit, floor_seconds, op_floor_seconds,
+    preset_draft_config, print_profiles, step_costs, time_alternately_ms, touched_experts,
 )  # fmt: skip
 from epdraft.bench.step_plot import plot, pyplot, read_results
 from epdraft.dispatch import StepPlan
@@ -95,7 +98,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"draft {label}: H {spec.hidden_size}, {spec.num_layers} layers, block {B}, commits 1..{R} rows per request, "
           f"bf16, {torch.cuda.get_device_name()}; floor at the {ceiling}")
     print(f"{'N':>5}{'context':>9}{'rows':>6}{'commit ms':>11}{'propose ms':>11}{'prop floor':>11}{'prop/floor':>11}"
-          f"{'graph ms':>10}{'eager ms':>10}{'floor ms':>10}{'graph/floor':>12}{'kernels':>9}{'busy ms':>9}")  # fmt: skip
+          f"{'graph ms':>10}{'eager ms':>10}{'floor ms':>10}{'graph/floor':>12}{'op floor':>10}{'graph/op':>9}"
+          f"{'kernels':>9}{'busy ms':>9}")  # fmt: skip
     gen = torch.Generator(device=device).manual_seed(1)
     results, profiles = [], []
     for context in contexts:
@@ -167,16 +171,18 @@ def main(args: argparse.Namespace) -> int:
             commit_bytes, commit_flops = commit_cost(draft, pool, mean_rows)
             nbytes, flops = step_bytes + commit_bytes, step_flops + commit_flops
             floor = max(nbytes / bytes_per_s, flops / TENSOR_FLOPS) * 1e3
+            costs = step_costs(draft, heads, n, context, touched) + [(commit_bytes, commit_flops)]
+            op_floor = op_floor_seconds(costs, bytes_per_s) * 1e3
             propose_floor = step_s * 1e3
             row = dict(kind="iteration", preset=label, requests=n, context=context, rows_per_request=mean_rows / n,
                        commit_graph_ms=commit, propose_graph_ms=propose, propose_floor_ms=propose_floor, graph_ms=graph,
-                       eager_ms=eager, floor_ms=floor, bytes=int(nbytes), flops=flops, experts_touched=touched,
+                       eager_ms=eager, floor_ms=floor, op_floor_ms=op_floor, bytes=int(nbytes), flops=flops, experts_touched=touched,
                        commit_kernels=kernels, commit_busy_ms=busy_us / 1e3,
                        device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
             results.append(row)
             print(f"{n:>5}{context:>9}{mean_rows / n:>6.1f}{commit:>11.3f}{propose:>11.3f}{propose_floor:>11.3f}"
                   f"{propose / propose_floor:>11.2f}{graph:>10.3f}{eager:>10.3f}{floor:>10.3f}{graph / floor:>12.2f}"
-                  f"{kernels:>9}{busy_us / 1e3:>9.3f}")  # fmt: skip
+                  f"{op_floor:>10.3f}{graph / op_floor:>9.2f}{kernels:>9}{busy_us / 1e3:>9.3f}")  # fmt: skip
             if args.profile:
                 profiles.append((n, context, busy_us, top))
         del step_graphs, commit_graphs, pool

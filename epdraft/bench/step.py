@@ -168,11 +168,33 @@ def floor_seconds(
     nbytes: Callable[[str, torch.Tensor], int] | None = None,
 ) -> tuple[float, int, float]:
     """(floor s, bytes, FLOPs) of one step over n requests of `context` rows, from the shapes, at
-    `bytes_per_s` of memory (`ceilings.memory_bytes_per_s`). `touched`: the distinct experts each MoE
-    layer's routing picked (`touched_experts`); None: the count uniform routing would expect. Each tensor
-    counts the bytes it is held in (a quantized expert's values and scales, `drafts.expert_bytes`);
-    `nbytes(name, tensor)` counts the non-expert tensors otherwise (`drafts.released_bytes`: as released).
-    FLOPs come from the logical shapes, whatever the storage."""
+    `bytes_per_s` of memory (`ceilings.memory_bytes_per_s`): max(all bytes / bandwidth, all FLOPs /
+    TENSOR_FLOPS), as if the step's memory-bound and compute-bound work overlapped (`op_floor_seconds`
+    does not assume that). `touched`: the distinct experts each MoE layer's routing picked
+    (`touched_experts`); None: the count uniform routing would expect. Each tensor counts the bytes
+    it is held in (a quantized expert's values and scales, `drafts.expert_bytes`); `nbytes(name,
+    tensor)` counts the non-expert tensors otherwise (`drafts.released_bytes`: as released). FLOPs
+    come from the logical shapes, whatever the storage."""
+    costs = step_costs(draft, heads, n, context, touched, nbytes)
+    total, flops = sum(b for b, _ in costs), sum(f for _, f in costs)
+    return max(total / bytes_per_s, flops / TENSOR_FLOPS), int(total), flops
+
+
+def op_floor_seconds(costs: list[tuple[float, float]], bytes_per_s: float) -> float:
+    """The floor of ops that run one after another: each op's own max(bytes / bandwidth, FLOPs /
+    TENSOR_FLOPS), summed. At many rows the step's dense projections and lm_head are bound by
+    FLOPs while its experts and context reads are bound by bytes; `floor_seconds` lets those
+    overlap, which kernels run in sequence cannot do."""
+    return sum(max(b / bytes_per_s, f / TENSOR_FLOPS) for b, f in costs)
+
+
+def step_costs(
+    draft, heads: RandomHeads, n: int, context: int, touched: list[int] | None = None,
+    nbytes: Callable[[str, torch.Tensor], int] | None = None,
+) -> list[tuple[float, float]]:
+    """(bytes, FLOPs) of each op of one step (`floor_seconds`' arguments): every weight matrix (a
+    GEMM over the step's rows; vectors are bytes only), each MoE layer's experts, the context read
+    with the attention's FLOPs, the lm_head."""
     from epdraft.bench.drafts import expert_bytes
     from epdraft.layers.moe import DraftMoE
 
@@ -181,24 +203,22 @@ def floor_seconds(
     rows = n * B
     # The target features' projection runs on the context (extend), not in the step.
     features = "main_proj." if spec.deepseek is not None else "fc."
-    expert_total, other_bytes, flops = 0.0, 0, 0.0
+    costs: list[tuple[float, float]] = []
     for name, p in draft.named_parameters():
         if ".experts." not in name and not name.startswith(features):
-            other_bytes += nbytes(name, p) if nbytes is not None else p.numel() * p.element_size()
-            if p.dim() == 2:
-                flops += 2 * rows * p.numel()
+            held = nbytes(name, p) if nbytes is not None else p.numel() * p.element_size()
+            costs.append((held, 2.0 * rows * p.numel() if p.dim() == 2 else 0.0))
     for m in draft.modules():
         if isinstance(m, DraftMoE):
             E, K = m.spec.num_experts, m.spec.top_k
             hit = touched[moe_index] if touched is not None else E * (1 - (1 - 1 / E) ** (rows * K))
             moe_index += 1
-            expert_total += hit * expert_bytes(m.experts)
-            flops += 2 * rows * K * 3 * m.experts.shard.slice_size * m.experts.shard.hidden_size
-    kv_bytes, attn_flops = _context_read(draft, n, context)
-    head_bytes = heads.head.weight.numel() * heads.head.weight.element_size()
-    flops += attn_flops + 2 * rows * heads.head.weight.numel()
-    total = other_bytes + expert_total + kv_bytes + head_bytes
-    return max(total / bytes_per_s, flops / TENSOR_FLOPS), int(total), flops
+            costs.append((hit * expert_bytes(m.experts),
+                          2.0 * rows * K * 3 * m.experts.shard.slice_size * m.experts.shard.hidden_size))  # fmt: skip
+    costs.append(_context_read(draft, n, context))
+    head = heads.head.weight
+    costs.append((head.numel() * head.element_size(), 2.0 * rows * head.numel()))
+    return costs
 
 
 def touched_experts(draft, step) -> list[int]:

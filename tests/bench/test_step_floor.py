@@ -4,6 +4,7 @@ here by hand from the V4.1-Flash preset's shapes (meta tensors: no weights are a
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from epdraft.bench.ceilings import memory_bytes_per_s
@@ -68,3 +69,30 @@ def test_touched_experts_counts_what_the_routers_picked():
     per_expert = sum(t[0].numel() * 4 for t in (draft.layers[0].mlp.experts.w13, draft.layers[0].mlp.experts.w2))
     expected = 4 * (1 - (1 - 1 / 4) ** (4 * 5 * 2))
     assert abs((uniform - counted) - len(draft.layers) * (expected - 2) * per_expert) <= 2
+
+
+def test_op_floor_sums_each_ops_own_bound():
+    """Kernels that run one after another cannot hide a FLOP-bound op under a byte-bound one: 3 GB
+    of reads (1 ms at 3 TB/s) then 0.7 TFLOP (1 ms at 700 TFLOP/s) take 2 ms, where the whole's
+    max(bytes, FLOPs) says 1."""
+    from epdraft.bench.step import TENSOR_FLOPS, op_floor_seconds
+
+    assert TENSOR_FLOPS == 700e12
+    assert op_floor_seconds([(3e9, 0.0), (0.0, 7e11)], RATE) == pytest.approx(2e-3)
+    assert op_floor_seconds([(3e9, 7e11)], RATE) == pytest.approx(1e-3)
+
+
+def test_step_costs_count_the_lm_head_as_one_flop_bound_op_at_many_rows():
+    """V4.1-Flash's step at N = 64 (320 rows): its lm_head reads 129280 x 4096 bf16 (0.35 ms at 3
+    TB/s) but multiplies it by 320 rows (0.48 ms at 700 TFLOP/s), so the op floor exceeds the floor."""
+    from epdraft.bench.step import op_floor_seconds, step_costs
+
+    spec = DraftModelSpec.from_config(DSPARK_PRESETS["v41-flash"])
+    draft = DeepseekDSparkDraft(spec, dtype=torch.bfloat16, device="meta")
+    heads = RandomHeads(spec.vocab_size, spec.hidden_size, dtype=torch.bfloat16, device=torch.device("meta"))
+    costs = step_costs(draft, heads, 64, 1024)
+    V, H, rows = 129280, 4096, 64 * 5
+    assert (V * H * 2, 2.0 * rows * V * H) in costs
+    floor_s, nbytes, flops = floor_seconds(draft, heads, 64, 1024, RATE)
+    assert sum(b for b, _ in costs) == pytest.approx(nbytes, abs=1)
+    assert op_floor_seconds(costs, RATE) > floor_s + (2.0 * rows * V * H / 700e12 - V * H * 2 / RATE) * 0.99
