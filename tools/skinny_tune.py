@@ -10,7 +10,9 @@ tile configs against cuBLAS (torch.nn.functional.linear), at the step's row coun
 Each timing is a CUDA graph of 24 back-to-back calls cycling over 4 copies of the weights (more
 bytes than the L2 holds, so every call reads its weight from HBM), replayed 20 times: the median
 replay / 24 is one call's GPU time without the host's launch cost. Prints, per projection: the
-weight bytes' floor at 4.3 TB/s, cuBLAS, the default config and the best config found.
+weight bytes' floor at this GPU's copy rate (`bench.ceilings`), cuBLAS, the config the device runs
+now and the best config found; then, per row count, the configs with the least summed time over
+each draft shape's projections ("step mix": what `skinny.DEVICE_CONFIGS` holds one of per GPU).
 """
 
 from __future__ import annotations
@@ -23,18 +25,25 @@ import json
 import torch
 import torch.nn.functional as F
 
+from epdraft.bench.ceilings import memory_bytes_per_s
+from epdraft.bench.tune import calls_us
 from epdraft.kernels import launch
 from epdraft.kernels.step import skinny
-from epdraft.bench.tune import calls_us
 
-HBM = 4.3e12
 COPIES, CALLS = 4, 24
-# (name, K, output widths): the issue-13 preset (H 4096, 32/8 heads, 1536) and the V4-like one (H 5120, 40/8, 2304)
+# (bench step preset, name, K, output widths): issue13 (H 4096, 32/8 heads, 1536), v4like (H 5120, 40/8, 2304)
 SHAPES = [
-    ("qkv 4096", 4096, (4096, 1024, 1024)), ("o 4096", 4096, (4096,)), ("gate_up 4096x1536", 4096, (1536, 1536)),
-    ("down 1536", 1536, (4096,)), ("qkv 5120", 5120, (5120, 1024, 1024)), ("o 5120", 5120, (5120,)),
-    ("gate_up 5120x2304", 5120, (2304, 2304)), ("down 2304", 2304, (5120,)),
+    ("issue13", "qkv 4096", 4096, (4096, 1024, 1024)), ("issue13", "o 4096", 4096, (4096,)),
+    ("issue13", "gate_up 4096x1536", 4096, (1536, 1536)), ("issue13", "down 1536", 1536, (4096,)),
+    ("v4like", "qkv 5120", 5120, (5120, 1024, 1024)), ("v4like", "o 5120", 5120, (5120,)),
+    ("v4like", "gate_up 5120x2304", 5120, (2304, 2304)), ("v4like", "down 2304", 2304, (5120,)),
 ]  # fmt: skip
+
+
+def _selected(shapes: str) -> list[tuple]:
+    """SHAPES whose preset is one of the comma list `shapes`, or whose name holds one of it."""
+    keys = shapes.split(",")
+    return [s for s in SHAPES if any(k == s[0] or k in s[1] for k in keys)]
 
 
 def _graph_us(fn) -> float:
@@ -57,7 +66,8 @@ def main() -> None:
     p.add_argument("--wide", action="store_true",
                    help="wide column tiles (BLOCK_N 64-256) at K splits 1, 2, 4: where 64-128 rows make the x tile "
                    "as large as the weight's")  # fmt: skip
-    p.add_argument("--shapes", default="", help="only the projections whose name holds this (e.g. 4096)")
+    p.add_argument("--shapes", default="",
+                   help="comma list: only these presets' projections (issue13, v4like) or those whose name holds one")
     p.add_argument("--json", default="", help="append every config's time to this JSON-lines file")
     p.add_argument("--splits", action="store_true", help="the default config at K splits 1, 2, 4, 8 and the automatic one")
     p.add_argument("--no-pdl", action="store_true",
@@ -71,18 +81,23 @@ def main() -> None:
 
 
 def _configs(args: argparse.Namespace) -> None:
-    """Every tile config of the grid against cuBLAS and the default, per projection and row count."""
+    """Every tile config of the grid against cuBLAS and the device's config, per projection and row
+    count; then the step mix."""
     configs = [(c, None) for c in itertools.product((16, 32), (128, 256, 512), (4, 8), (3, 4, 5))]
     if args.quick:
         configs = [(c, None) for c in itertools.product((16, 32), (128, 256, 512), (4, 8), (3, 4))]
     if args.wide:
         configs = [((n, k, w, s), split) for n, k, w, s, split in itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4), (1, 2, 4))]
-    print(f"{'projection':>20}{'T':>5}{'floor us':>10}{'cublas':>9}{'default':>9}{'best':>9}  best config ((BN, BK, warps, stages), split)")
-    shapes = [s for s in SHAPES if args.shapes in s[0]]
-    for (name, K, widths), T in itertools.product(shapes, [int(r) for r in args.rows.split(",")]):
+    hbm, ceiling = memory_bytes_per_s(torch.cuda.get_device_name())
+    current = skinny._device_config(torch.device("cuda"))
+    print(f"floors at the {ceiling}; the device's config now {current}")
+    print(f"{'projection':>20}{'T':>5}{'floor us':>10}{'cublas':>9}{'current':>9}{'best':>9}  best config ((BN, BK, warps, stages), split)")
+    shapes = _selected(args.shapes)
+    mix: dict[tuple[str, int], dict[tuple, float]] = {}  # (preset, T) -> config -> summed µs
+    for (preset, name, K, widths), T in itertools.product(shapes, [int(r) for r in args.rows.split(",")]):
         x = torch.randn(T, K, device="cuda").bfloat16()
         ws = [[torch.randn(n, K, device="cuda").bfloat16() for n in widths] for _ in range(COPIES)]
-        floor = sum(widths) * K * 2 / HBM * 1e6
+        floor = sum(widths) * K * 2 / hbm * 1e6
         gate_up = name.startswith("gate_up")
         if gate_up:
             ref = F.silu(F.linear(x, ws[0][0]).float()) * F.linear(x, ws[0][1]).float()
@@ -98,45 +113,54 @@ def _configs(args: argparse.Namespace) -> None:
             return lambda i: skinny.linear(x, ws[i], config=cfg, split_k=split)
 
         cublas = _graph_us(lambda i: [F.linear(x, w) for w in ws[i]])
-        default = _graph_us(run(skinny.DEFAULT_CONFIG))
-        launched = {}  # configs that launch alike (BLOCK_K halved to fit) timed once
+        now = _graph_us(run(current))
+        launched: dict[tuple, list[tuple]] = {}  # configs that launch alike (BLOCK_K halved to fit) timed once
         for cfg, split in configs:
             ran = skinny._launch_config(cfg, max(16, 1 << (T - 1).bit_length()), 2 if gate_up else 1)
-            launched.setdefault((ran, split), (cfg, split))
-        timed = [(_graph_us(run(*c)), c) for c in launched.values()]
+            launched.setdefault((ran, split), []).append((cfg, split))
+        timed = [(_graph_us(run(*alike[0])), c) for alike in launched.values() for c in alike]
         if args.json:
             with open(args.json, "a") as f:
                 for us, (cfg, split) in timed:
                     f.write(json.dumps({"projection": name, "T": T, "config": cfg, "split": split, "us": us,
                                         "cublas": cublas, "floor": floor}) + "\n")  # fmt: skip
+        totals = mix.setdefault((preset, T), {})
+        for us, c in timed:
+            totals[c] = totals.get(c, 0.0) + us
         best = min(timed, key=lambda t: t[0])
         ran = skinny._launch_config(best[1][0], max(16, 1 << (T - 1).bit_length()), 2 if gate_up else 1)
         note = "" if ran == best[1][0] else f" (ran as {ran}: shared memory)"
-        print(f"{name:>20}{T:>5}{floor:>10.1f}{cublas:>9.1f}{default:>9.1f}{best[0]:>9.1f}  {best[1]}{note}", flush=True)
+        print(f"{name:>20}{T:>5}{floor:>10.1f}{cublas:>9.1f}{now:>9.1f}{best[0]:>9.1f}  {best[1]}{note}", flush=True)
+    for (preset, T), totals in sorted(mix.items()):
+        ranked = sorted((us, c) for c, us in totals.items())[:3]
+        print(f"step mix {preset} T {T}: " + "  ".join(f"{c} {us:.1f} us" for us, c in ranked)
+              + f"  (the device's now: {totals.get((current, None), float('nan')):.1f} us)")
 
 
 def _splits(rows: list[int]) -> None:
-    """Per projection and row count: cuBLAS, then the default tile config at each K split, and the
+    """Per projection and row count: cuBLAS, then the device's tile config at each K split, and the
     split `skinny.choose_split` takes (what the draft step runs)."""
     splits = (1, 2, 4, 8)
     print(f"{'projection':>20}{'T':>5}{'floor us':>10}{'cublas':>9}" + "".join(f"{'split ' + str(s):>9}" for s in splits)
           + f"{'auto':>9}  auto split")  # fmt: skip
-    for (name, K, widths), T in itertools.product(SHAPES, rows):
+    hbm, _ = memory_bytes_per_s(torch.cuda.get_device_name())
+    config = skinny._device_config(torch.device("cuda"))
+    for (_, name, K, widths), T in itertools.product(SHAPES, rows):
         x = torch.randn(T, K, device="cuda").bfloat16()
         ws = [[torch.randn(n, K, device="cuda").bfloat16() for n in widths] for _ in range(COPIES)]
-        floor = sum(widths) * K * 2 / HBM * 1e6
+        floor = sum(widths) * K * 2 / hbm * 1e6
         if name.startswith("gate_up"):
             def run(split):
                 return lambda i: skinny.gate_up_act(x, ws[i][0], ws[i][1], True, 0.0, 1.0, split_k=split)
-            tiles = -(-widths[0] // skinny.DEFAULT_CONFIG[0])
+            tiles = -(-widths[0] // config[0])
         else:
             def run(split):
                 return lambda i: skinny.linear(x, ws[i], split_k=split)
-            tiles = sum(-(-n // skinny.DEFAULT_CONFIG[0]) for n in widths)
+            tiles = sum(-(-n // config[0]) for n in widths)
         cublas = _graph_us(lambda i: [F.linear(x, w) for w in ws[i]])
         times = [_graph_us(run(s)) for s in splits]
         weight_tiles = 2 if name.startswith("gate_up") else 1
-        block_k = skinny._launch_config(skinny.DEFAULT_CONFIG, max(16, 1 << (T - 1).bit_length()), weight_tiles)[1]
+        block_k = skinny._launch_config(config, max(16, 1 << (T - 1).bit_length()), weight_tiles)[1]
         auto = skinny.choose_split(tiles, K, block_k, x.device)
         print(f"{name:>20}{T:>5}{floor:>10.1f}{cublas:>9.1f}" + "".join(f"{t:>9.1f}" for t in times)
               + f"{_graph_us(run(None)):>9.1f}  {auto}", flush=True)  # fmt: skip

@@ -25,8 +25,10 @@ log = logging.getLogger(__name__)
 KERNEL_ROWS = 128  # one BLOCK_M = next_pow2(rows) tile holds every row
 MAX_ROWS = 32  # `fits`: at 128 rows cuBLAS was 1.2-2.4x faster than these tiles on the H200, at 16 up to 1.7x slower
 _DTYPES = (torch.bfloat16, torch.float16)
-# (BLOCK_N, BLOCK_K, num_warps, num_stages): measured on the H200 (tools/skinny_tune.py)
-DEFAULT_CONFIG = (32, 128, 4, 5)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) per kind of GPU, each measured there: the config with the
+# least summed time over a step's projections at 16 and 32 rows (tools/skinny_tune.py, "step mix")
+DEVICE_CONFIGS: dict[str, tuple[int, int, int, int]] = {"H200": (32, 128, 4, 5)}
+DEFAULT_CONFIG = DEVICE_CONFIGS["H200"]  # on a GPU none was measured on
 # what the pipelined tiles are held to: Triton's buffers for a config took up to ~1.8x this count
 # of the stages' x and weight tiles on the H200, which has 227 KiB per SM
 _SMEM_BYTES = 96 * 1024
@@ -85,11 +87,13 @@ def fits(x_TK: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _device_config(device: torch.device) -> tuple[int, int, int, int]:
-    """DEFAULT_CONFIG, with one warning per device that it was measured on another GPU."""
+    """The config measured on this kind of GPU; DEFAULT_CONFIG, with one warning, on any other."""
     device_name = torch.cuda.get_device_name(device)
-    if "H200" not in device_name:
-        log.warning("skinny projections: no tile config measured on %s; using the H200's %s (speed differs, output "
-                    "does not; tools/skinny_tune.py measures one)", device_name, DEFAULT_CONFIG)  # fmt: skip
+    for kind, config in DEVICE_CONFIGS.items():
+        if kind in device_name:
+            return config
+    log.warning("skinny projections: no tile config measured on %s; using the H200's %s (speed differs, output "
+                "does not; tools/skinny_tune.py measures one)", device_name, DEFAULT_CONFIG)  # fmt: skip
     return DEFAULT_CONFIG
 
 
