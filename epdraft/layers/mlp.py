@@ -11,7 +11,7 @@ from epdraft.dispatch.plan import StepPlan
 from epdraft.config.ffn import ActivationSpec
 from epdraft.config.quant import QuantSpec
 from epdraft.kernels.step.ops import ffn_residual
-from epdraft.layers.projection import gate_up, project
+from epdraft.layers.projection import gate_up, project, share_storage
 from epdraft.layers.step_kernels import StepKernels
 from epdraft.loading import TensorSource, check_ffn_loaded, load_into
 
@@ -59,6 +59,7 @@ class DraftMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
+        share_storage(self.gate_proj, self.up_proj)  # one GEMM above the skinny rows
         self.output_gate = nn.Linear(hidden_size, 1, bias=False, **kw) if output_gate else None
         self.requires_grad_(False)
         self.loaded_pieces: set = set()

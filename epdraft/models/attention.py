@@ -12,7 +12,7 @@ from torch import nn
 
 from epdraft.kernels.step.attention import block_attention, block_attention_reference, sliding_block_attention
 from epdraft.kernels.step.ops import kv_norm_rope_store, qk_norm_rope_store, rms_norm
-from epdraft.layers.projection import project
+from epdraft.layers.projection import project, share_storage
 from epdraft.layers.step_kernels import StepKernels
 
 
@@ -114,6 +114,7 @@ class DFlashAttention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **kw)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **kw)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False, **kw)
+        share_storage(self.q_proj, self.k_proj, self.v_proj)  # one GEMM above the skinny rows
         self.q_norm = RMSNorm(head_dim, rms_norm_eps, kernels=self.kernels, **kw)
         self.k_norm = RMSNorm(head_dim, rms_norm_eps, kernels=self.kernels, **kw)
 

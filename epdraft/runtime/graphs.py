@@ -175,7 +175,7 @@ class CommitGraphs:
         self.width, self.dtype, self.device = width, dtype, device
         self._captured: dict[int, _CapturedCommit] = {}
         self._pool = torch.cuda.graph_pool_handle()
-        self._rows: torch.Tensor | None = None
+        self._rows = torch.zeros(max(buckets) * rows_per_request, width, dtype=dtype, device=device)
 
     def run(self, slots: list[int], counts: list[int], features_TF: torch.Tensor) -> None:
         """Commit request i's counts[i] rows, packed in features_TF [sum(counts), F] on the device,
@@ -204,9 +204,6 @@ class CommitGraphs:
         # all padding: the warm-up run below writes junk rows to the pad slot only
         inputs = _Inputs.of([[self.pad_slot] * b, [0] * b], self.device)
         ints = inputs.device
-        if self._rows is None:
-            self._rows = torch.zeros(max(self.buckets) * self.rows_per_request, self.width, dtype=self.dtype,
-                                     device=self.device)
         features = self._rows[: b * self.rows_per_request]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

@@ -313,3 +313,29 @@ def test_pdl_launches_equal_launches_without_pdl_eager_and_in_a_graph():
     for _ in range(3):
         graph.replay()
         assert torch.equal(static_out, without)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+@pytest.mark.parametrize("T", [64, 128, 512])
+def test_joint_projections_above_the_skinny_rows_equal_separate_gemms(dtype, T):
+    """Above `skinny.MAX_ROWS` q / k / v (and a gate / up pair) held joint run as one GEMM over the
+    joint weight: each output as its own nn.Linear computes it, to one bf16 rounding (cuBLAS picks
+    other kernels for the joint shape)."""
+    from epdraft.layers.mlp import DraftMLP
+    from epdraft.layers.projection import gate_up, joint_weight, project
+
+    torch.manual_seed(0)
+    attn = DFlashAttention(4096, 32, 8, 128, rms_norm_eps=1e-6, rope_theta=1e4, dtype=dtype, device="cuda")
+    mlp = DraftMLP(4096, 1536, dtype=dtype, device="cuda")
+    for module in (attn, mlp):
+        for p in module.parameters():
+            torch.nn.init.normal_(p, std=4096**-0.5)
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj)
+    assert attn.kernels.projections == mlp.kernels.projections == "skinny"  # the joint GEMMs' path
+    assert joint_weight([lin.weight for lin in linears]) is not None  # still joint after the in-place init
+    x = torch.randn(T, 4096, device="cuda").to(dtype)
+    with torch.no_grad():
+        for got, lin in zip(project(attn.kernels, x, *linears), linears):
+            _close(got, F.linear(x, lin.weight), dtype)
+        ref = gated_act(F.linear(x, mlp.gate_proj.weight), F.linear(x, mlp.up_proj.weight), ActivationSpec())
+        _close(gate_up(mlp.kernels, x, mlp.gate_proj, mlp.up_proj, ActivationSpec()), ref.to(dtype), dtype)
