@@ -145,8 +145,8 @@ def _clear_tokens(logits_TE, selection_bias_E, scoring, K, delta):
 @pytest.mark.parametrize("E,H", [(8, 4096), (128, 5120), (256, 4096)])
 @pytest.mark.parametrize("T", [1, 16, 128, 1000])
 def test_router_launches_equal_fp32_linear_then_route(scoring, bias, E, H, T):
-    """Router.forward on CUDA (router_logits + topk_route up to ROUTER_KERNEL_MAX_ROWS rows, then
-    cuBLAS's fp32 logits + topk_route) against F.linear in fp32 (+ logit bias) then `route`. The two sum each logit's products in different orders (~1e-6 apart): a token
+    """Router.forward on CUDA (router_logits + topk_route where `router_kernel_takes` the shape,
+    else cuBLAS's fp32 logits + topk_route) against F.linear in fp32 (+ logit bias) then `route`. The two sum each logit's products in different orders (~1e-6 apart): a token
     whose K-th and (K+1)-th choices are closer than that may pick either, so ids are compared on
     the tokens the logits' tolerance cannot flip, and as sets: two near-equal chosen experts may
     come in either order, which the combine does not see."""
@@ -175,7 +175,7 @@ def test_router_launches_equal_fp32_linear_then_route(scoring, bias, E, H, T):
     ref_ids, ref_w = route(logits, spec, selection_bias)
     ids, w = router(x)
     # Router.forward took the launches, and they give the same bits every time (no atomics)
-    taken = parts if T <= step_ops.ROUTER_KERNEL_MAX_ROWS else linear
+    taken = parts if step_ops.router_kernel_takes(T, E) else linear
     launch_ids, launch_w = step_ops.topk_route(taken, K, scoring, selection_bias, spec.norm_topk_prob, spec.renorm_eps,
                                                2.5, router.bias if bias == "logit" else None)  # fmt: skip
     assert torch.equal(ids, launch_ids) and torch.equal(w, launch_w)
@@ -190,15 +190,16 @@ def test_router_launches_equal_fp32_linear_then_route(scoring, bias, E, H, T):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("E,H", [(8, 4096), (256, 5120)])
-def test_router_logits_of_a_row_do_not_depend_on_the_rows_around_it(E, H):
+@pytest.mark.parametrize("E,H,rows", [(8, 4096, 1000), (256, 5120, 128)])
+def test_router_logits_of_a_row_do_not_depend_on_the_rows_around_it(E, H, rows):
     """A graph step pads its rows to the bucket: the router's logits of a row (their summation
-    order) must be the same bits whatever the batch, or eager and graph steps pick other experts
-    on near-ties."""
-    x = torch.randn(128, H, device="cuda").bfloat16()
+    order) must be the same bits whatever the batch (16-row tiles up to 128 rows, 64-row tiles
+    above), or eager and graph steps pick other experts on near-ties."""
+    x = torch.randn(rows, H, device="cuda").bfloat16()
     w = torch.randn(E, H, device="cuda") * H**-0.5
     full = step_ops.topk_route(step_ops.router_logits(x, w), 2, "softmax", None, True, 1e-20, 1.0)
-    for T in (1, 16, 77):
+    for T in (1, 16, 77, 128, 300):
+        T = min(T, rows)
         part = step_ops.topk_route(step_ops.router_logits(x[:T], w), 2, "softmax", None, True, 1e-20, 1.0)
         assert torch.equal(part[0], full[0][:T]) and torch.equal(part[1], full[1][:T])
 

@@ -95,3 +95,19 @@ def test_the_step_kernels_refuse_a_call_that_needs_gradients():
     with torch.no_grad():
         launch.refuse_autograd("rms_norm", x)  # inference on a leaf that wants gradients: nothing to drop
     launch.refuse_autograd("rms_norm", x.detach(), None)
+
+
+@pytest.mark.parametrize("name,kind", [("NVIDIA H200", "H200"), ("NVIDIA B200", "B200"), ("NVIDIA A100-SXM4-80GB", None)])
+def test_each_gpu_kind_gets_the_tile_config_measured_on_it(monkeypatch, caplog, name, kind):
+    """A config measured on one kind of GPU is not another's: a kind with its own runs it, a GPU
+    none was measured on runs the H200's and says so."""
+    monkeypatch.setitem(skinny.DEVICE_CONFIGS, "B200", (16, 256, 8, 3))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    skinny._device_config.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="epdraft.kernels.step.skinny"):
+            config = skinny._device_config(torch.device("cuda", 0))
+    finally:
+        skinny._device_config.cache_clear()
+    assert config == (skinny.DEVICE_CONFIGS[kind] if kind else skinny.DEFAULT_CONFIG)
+    assert ("no tile config measured on " + name in caplog.text) == (kind is None)

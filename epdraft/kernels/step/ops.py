@@ -20,10 +20,14 @@ from epdraft.kernels.launch import next_pow2
 
 _MERGE_ROWS = 16  # rows per merge program: N * g programs alone leave most SMs idle at small N
 _FLAG_BLOCK = 4096
-# rows up to which `Router` takes `router_logits`: on the H200 (docs/performance.md) it ran in 4 µs
-# at 16 rows where the fp32 cast, cuBLAS's GEMM and its reduce took ~13, and 7 µs at 128 rows, but
-# 24-42 µs at 512-1024 rows against cuBLAS's 17-21 (its 64-row tiles spill registers)
+# rows up to which `Router` takes `router_logits` at any expert count: on the H200 (docs/performance.md)
+# it ran in 4 µs at 16 rows where the fp32 cast, cuBLAS's GEMM and its reduce took ~13, and 7 µs at 128
 ROUTER_KERNEL_MAX_ROWS = 128
+# experts up to which it takes any row count: with 64-row tiles above 128 rows, 8 experts x 4096 ran
+# (with the top-k launch) in 8.9 / 15.1 / 28.0 / 53.3 µs at 256 / 512 / 1024 / 2048 rows on an H100,
+# where x's fp32 copy and cuBLAS's fp32 GEMM took 14.9 / 26.1 / 34.1 / 58.9 (fourteenth session);
+# wider routers at many rows are unmeasured and keep cuBLAS
+ROUTER_KERNEL_ANY_ROWS_EXPERTS = 32
 # H slices of a launch: 32 programs per 16 rows spread the weight read over the chip. The slice width
 # depends on H alone, so a token's logits (their summation order) do not depend on the batch around it:
 # eager and graph steps, padded to another row count, pick the same experts on near-ties
@@ -209,6 +213,11 @@ def flag_nonfinite(x: torch.Tensor, flag: torch.Tensor) -> None:
 SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "softmax_topk": 3}
 
 
+def router_kernel_takes(rows: int, experts: int) -> bool:
+    """Whether `Router` computes these logits with `router_logits` (else cuBLAS's fp32 GEMM)."""
+    return rows <= ROUTER_KERNEL_MAX_ROWS or experts <= ROUTER_KERNEL_ANY_ROWS_EXPERTS
+
+
 def router_logits(x_TH: torch.Tensor, weight_EH: torch.Tensor) -> torch.Tensor:
     """Partial fp32 router logits [S, T, E] of x [T, H] (any float dtype) under the weight [E, H]:
     part[s] = x[:, slice s] @ weight[:, slice s]^T in fp32 over S power-of-two slices of H, which
@@ -229,7 +238,8 @@ def router_logits(x_TH: torch.Tensor, weight_EH: torch.Tensor) -> torch.Tensor:
     E = weight_EH.shape[0]
     if weight_EH.shape[1] != H:
         raise ConfigError(f"router_logits: x {tuple(x_TH.shape)} and weight {tuple(weight_EH.shape)} differ in H")
-    block_t = 16 if T <= 512 else 64  # 64-row tiles read each weight slice once per 64 rows, not 16
+    # 64-row tiles read each weight slice once per 64 rows, not 16: 15 µs at 512 rows against 25 (H100)
+    block_t = 16 if T <= ROUTER_KERNEL_MAX_ROWS else 64
     tiles = -(-T // block_t)
     split_h = min(next_pow2(H), max(_ROUTER_MIN_SPLIT, next_pow2(-(-H // _ROUTER_SLICES))))
     splits = -(-H // split_h)

@@ -25,8 +25,10 @@ log = logging.getLogger(__name__)
 KERNEL_ROWS = 128  # one BLOCK_M = next_pow2(rows) tile holds every row
 MAX_ROWS = 32  # `fits`: at 128 rows cuBLAS was 1.2-2.4x faster than these tiles on the H200, at 16 up to 1.7x slower
 _DTYPES = (torch.bfloat16, torch.float16)
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) per kind of GPU, each measured there: the config with the
-# least summed time over a step's projections at 16 and 32 rows (tools/skinny_tune.py, "step mix")
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) per kind of GPU, each measured there (tools/skinny_tune.py's
+# step mix, then the step and the commit side by side). On an H100 the mix's best, (32, 256, 4, 4),
+# summed 56.2 µs over issue13's projections at 16 rows against this config's 61.5, but in `bench
+# iteration` at N = 1 the step ran no faster and the commit 12 µs slower: the H100 keeps the H200's
 DEVICE_CONFIGS: dict[str, tuple[int, int, int, int]] = {"H200": (32, 128, 4, 5)}
 DEFAULT_CONFIG = DEVICE_CONFIGS["H200"]  # on a GPU none was measured on
 # what the pipelined tiles are held to: Triton's buffers for a config took up to ~1.8x this count
