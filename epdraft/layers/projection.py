@@ -35,13 +35,15 @@ def share_storage(*linears: nn.Linear) -> None:
 
 
 def joint_weight(weights: list[torch.Tensor]) -> torch.Tensor | None:
-    """The [sum N, K] tensor the weights [N_i, K] are consecutive row blocks of, or None."""
+    """The [sum N, K] tensor the weights [N_i, K] are consecutive row blocks of, or None. One
+    storage, not merely adjacent addresses: two tensors the allocator placed end to end are not."""
     first = weights[0]
     if first.dim() != 2 or not first.is_contiguous():
         return None
-    end = first.data_ptr()
+    storage, end = first.untyped_storage().data_ptr(), first.data_ptr()
     for w in weights:
-        if w.data_ptr() != end or w.shape[1] != first.shape[1] or w.dtype != first.dtype or not w.is_contiguous():
+        if (w.untyped_storage().data_ptr() != storage or w.data_ptr() != end or w.shape[1] != first.shape[1]
+                or w.dtype != first.dtype or not w.is_contiguous()):  # fmt: skip
             return None
         end += w.numel() * w.element_size()
     return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), first.stride())

@@ -50,3 +50,15 @@ def test_a_replaced_weight_splits_them():
     attn = _attention().to(torch.float64)
     assert joint_weight([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is None
     assert joint_weight([attn.k_proj.weight, attn.q_proj.weight]) is None  # order matters
+
+
+def test_adjacent_tensors_of_two_storages_are_not_joint():
+    """Two tensors that merely sit end to end in memory (as the caching allocator may place two
+    weights) are not one tensor's rows: a view across both would read past the first's storage."""
+    memory = memoryview(bytearray(12 * 16 * 4))
+    a = torch.frombuffer(memory[: 8 * 16 * 4], dtype=torch.float32).view(8, 16)
+    b = torch.frombuffer(memory[8 * 16 * 4 :], dtype=torch.float32).view(4, 16)
+    assert a.data_ptr() + a.numel() * 4 == b.data_ptr()  # adjacent, two storages
+    assert joint_weight([a, b]) is None
+    block = torch.zeros(12, 16)
+    assert joint_weight([block[:8], block[8:]]) is not None
