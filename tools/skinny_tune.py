@@ -91,7 +91,8 @@ def _configs(args: argparse.Namespace) -> None:
     hbm, ceiling = memory_bytes_per_s(torch.cuda.get_device_name())
     current = skinny._device_config(torch.device("cuda"))
     print(f"floors at the {ceiling}; the device's config now {current}")
-    print(f"{'projection':>20}{'T':>5}{'floor us':>10}{'cublas':>9}{'current':>9}{'best':>9}  best config ((BN, BK, warps, stages), split)")
+    print(f"{'projection':>20}{'T':>5}{'floor us':>10}{'cublas':>9}{'current':>9}{'best':>9}"
+          "  best config ((BN, BK, warps, stages), split)")
     shapes = _selected(args.shapes)
     mix: dict[tuple[str, int], dict[tuple, float]] = {}  # (preset, T) -> config -> summed µs
     for (preset, name, K, widths), T in itertools.product(shapes, [int(r) for r in args.rows.split(",")]):

@@ -176,8 +176,8 @@ def main(args: argparse.Namespace) -> int:
             propose_floor = step_s * 1e3
             row = dict(kind="iteration", preset=label, requests=n, context=context, rows_per_request=mean_rows / n,
                        commit_graph_ms=commit, propose_graph_ms=propose, propose_floor_ms=propose_floor, graph_ms=graph,
-                       eager_ms=eager, floor_ms=floor, op_floor_ms=op_floor, bytes=int(nbytes), flops=flops, experts_touched=touched,
-                       commit_kernels=kernels, commit_busy_ms=busy_us / 1e3,
+                       eager_ms=eager, floor_ms=floor, op_floor_ms=op_floor, bytes=int(nbytes), flops=flops,
+                       experts_touched=touched, commit_kernels=kernels, commit_busy_ms=busy_us / 1e3,
                        device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
             results.append(row)
             print(f"{n:>5}{context:>9}{mean_rows / n:>6.1f}{commit:>11.3f}{propose:>11.3f}{propose_floor:>11.3f}"

@@ -146,7 +146,8 @@ def _clear_tokens(logits_TE, selection_bias_E, scoring, K, delta):
 @pytest.mark.parametrize("T", [1, 16, 128, 1000])
 def test_router_launches_equal_fp32_linear_then_route(scoring, bias, E, H, T):
     """Router.forward on CUDA (router_logits + topk_route where `router_kernel_takes` the shape,
-    else cuBLAS's fp32 logits + topk_route) against F.linear in fp32 (+ logit bias) then `route`. The two sum each logit's products in different orders (~1e-6 apart): a token
+    else cuBLAS's fp32 logits + topk_route) against F.linear in fp32 (+ logit bias) then `route`.
+    The two sum each logit's products in different orders (~1e-6 apart): a token
     whose K-th and (K+1)-th choices are closer than that may pick either, so ids are compared on
     the tokens the logits' tolerance cannot flip, and as sets: two near-equal chosen experts may
     come in either order, which the combine does not see."""

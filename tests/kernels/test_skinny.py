@@ -97,7 +97,9 @@ def test_the_step_kernels_refuse_a_call_that_needs_gradients():
     launch.refuse_autograd("rms_norm", x.detach(), None)
 
 
-@pytest.mark.parametrize("name,kind", [("NVIDIA H200", "H200"), ("NVIDIA B200", "B200"), ("NVIDIA A100-SXM4-80GB", None)])
+@pytest.mark.parametrize(
+    "name,kind", [("NVIDIA H200", "H200"), ("NVIDIA B200", "B200"), ("NVIDIA A100-SXM4-80GB", None)]
+)
 def test_each_gpu_kind_gets_the_tile_config_measured_on_it(monkeypatch, caplog, name, kind):
     """A config measured on one kind of GPU is not another's: a kind with its own runs it, a GPU
     none was measured on runs the H200's and says so."""
