@@ -13,6 +13,10 @@ replay / 24 is one call's GPU time without the host's launch cost. Prints, per p
 weight bytes' floor at this GPU's copy rate (`bench.ceilings`), cuBLAS, the config the device runs
 now and the best config found; then, per row count, the configs with the least summed time over
 each draft shape's projections ("step mix": what `skinny.DEVICE_CONFIGS` holds one of per GPU).
+The mix is a shortlist, not the verdict: calls of one projection back to back are not the step,
+where a norm runs before each and the commit's projections run other shapes (on an H100 the mix's
+best left the step as it was and slowed the commit). Put a config in DEVICE_CONFIGS only after
+`epdraft bench iteration` with and without it, side by side on one machine.
 """
 
 from __future__ import annotations
