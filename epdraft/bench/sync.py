@@ -1,8 +1,10 @@
 """`epdraft bench sync`: the step sync's latency on W local CPU (gloo) ranks, against W = 2.
 
 For each W, spawns W ranks and runs `--iters` back-to-back syncs of each method (after `--warmup`
-untimed ones): `store` is `StepCoordinator` on CPU (the rendezvous store, what the draft runs),
-`gloo_allgather` the one gloo all-gather of the same int64s it replaced. A rank's time per sync is
+untimed ones): `host` is `HostExchange` (shared memory on one host: what `StepCoordinator` runs on
+CPU ranks of Linux x86-64), `store` is `StoreExchange` (the rendezvous store: what it runs
+elsewhere, and between hosts), `gloo_allgather` the one gloo all-gather of the same int64s both
+replaced. A rank's time per sync is
 its median over the timed syncs; the table shows the slowest rank's, and its ratio to W = 2's.
 """
 
@@ -18,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from epdraft.errors import ConfigError
+from epdraft.parallel.exchange import HostExchange, StoreExchange, shared_memory_ok
 from epdraft.parallel.spawn import run_local_ranks
 
-METHODS = ("store", "gloo_allgather")
+METHODS = ("host", "store", "gloo_allgather")
 # torch >= 2.13 renames all_gather_into_tensor (same semantics); older releases only have the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 NUM_EXTRAS = 2  # what the standalone runner passes per step
@@ -41,7 +44,8 @@ class Result(msgspec.Struct, frozen=True, kw_only=True):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16], help="world sizes (default 2 4 8 16)")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma list of: {', '.join(METHODS)}")
+    parser.add_argument("--methods", default=None,
+                        help=f"comma list of: {', '.join(METHODS)} (default: all this host runs; host needs Linux x86-64)")
     parser.add_argument("--iters", type=int, default=300, help="timed syncs per method and size (default 300)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed syncs first (default 20)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON lines")
@@ -49,10 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    methods = [m for m in args.methods.split(",") if m]
+    runnable = [m for m in METHODS if m != "host" or shared_memory_ok()]
+    methods = runnable if args.methods is None else [m for m in args.methods.split(",") if m]
     for m in methods:
-        if m not in METHODS:
-            raise ConfigError(f"bench sync --methods: {m!r} must be one of {list(METHODS)}")
+        if m not in runnable:
+            raise ConfigError(f"bench sync --methods: {m!r} must be one of {runnable} on this host")
     if args.iters < 1 or args.warmup < 0 or any(w < 1 for w in args.ranks):
         raise ConfigError("bench sync: --iters and every --ranks must be >= 1, --warmup >= 0")
     medians: dict[tuple[str, int], float] = {}
@@ -84,15 +89,13 @@ def _print_table(results: list[Result]) -> None:
 
 def _rank(rank: int, world: int, methods: list[str], iters: int, warmup: int) -> dict[str, float]:
     """This rank's median ms per sync of each method (every rank checks every sync's plan)."""
-    from epdraft.runtime.coordinator import StepCoordinator
-
     out = {}
     for method in methods:
         if method == "gloo_allgather":
             sync = _gloo_allgather
         else:
-            coordinator = StepCoordinator(dist.group.WORLD, num_extras=NUM_EXTRAS)
-            sync = lambda step, rows, extras: coordinator.sync(step, rows, extras).counts  # noqa: E731
+            exchange = (HostExchange if method == "host" else StoreExchange).over(dist.group.WORLD, width=2 + NUM_EXTRAS)
+            sync = lambda step, rows, extras: tuple(v[1] for v in exchange.all_gather([step, rows, *extras]))  # noqa: E731
         dist.barrier()
         times = []
         for step in range(warmup + iters):

@@ -8,8 +8,9 @@ ranks that fell out of lockstep fail together with `StepMismatch` instead of pai
 collectives.
 
 Where it runs: on GPUs, one NCCL all-gather of the int64s on the device group (no TCP round, no
-gloo thread); on CPU ranks, the rendezvous store (`StoreExchange`: three requests per rank,
-answered when the last value lands), since gloo's all-gather is a ring of 2(W-1) dependent rounds.
+gloo thread); on CPU ranks, shared memory among the ranks of each host and the rendezvous store
+among hosts (`HostExchange`; the store alone, `StoreExchange`, where shared memory is not used),
+since gloo's all-gather is a ring of 2(W-1) dependent rounds.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from epdraft.dispatch.plan import StepPlan
 from epdraft.errors import ParallelError, StepMismatch
-from epdraft.parallel.exchange import DeviceExchange, StoreExchange
+from epdraft.parallel.exchange import DeviceExchange, HostExchange, StoreExchange, shared_memory_ok
 from epdraft.parallel.groups import Groups
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,8 @@ class StepCoordinator:
         group: the ranks that must agree (for the draft: every rank whose MoE groups it feeds).
         num_extras: how many extra ints each caller adds per step (the same on every rank, so
             every rank's contribution has the same size).
-        device: "cpu": the values go through the rendezvous store among `group`'s ranks
-            (`group` only names them); a CUDA device: one all-gather on `group`, an NCCL group.
+        device: "cpu": the values go through shared memory and the rendezvous store among `group`'s
+            ranks (`group` only names them); a CUDA device: one all-gather on `group`, an NCCL group.
     """
 
     def __init__(self, group: dist.ProcessGroup, *, num_extras: int = 0, device: torch.device | str = "cpu"):
@@ -47,16 +48,17 @@ class StepCoordinator:
         self.ranks = tuple(dist.get_process_group_ranks(group))
         self.rank = dist.get_rank()
         width = 2 + num_extras
-        self._exchange = (
-            StoreExchange.over(group, width=width)
-            if self.device.type == "cpu"
-            else DeviceExchange(group, device=self.device, width=width)
-        )
+        if self.device.type != "cpu":
+            self._exchange = DeviceExchange(group, device=self.device, width=width)
+        elif shared_memory_ok():
+            self._exchange = HostExchange.over(group, width=width)
+        else:
+            self._exchange = StoreExchange.over(group, width=width)
 
     @classmethod
     def for_groups(cls, groups: Groups, *, num_extras: int = 0) -> StepCoordinator:
         """The draft's coordinator: on the device group (attn_dp, NCCL) where the ranks have GPUs,
-        through the store among the cpu group's ranks on CPU."""
+        among the cpu group's ranks (shared memory, the store between hosts) on CPU."""
         if groups.device_type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
             return cls(groups.attn_dp, num_extras=num_extras, device=device)

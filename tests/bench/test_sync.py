@@ -7,6 +7,9 @@ import json
 import pytest
 
 from epdraft.cli import main as cli_main
+from epdraft.parallel.exchange import shared_memory_ok
+
+METHODS = (["host"] if shared_memory_ok() else []) + ["store", "gloo_allgather"]
 
 
 @pytest.mark.timeout(120)
@@ -16,17 +19,16 @@ def test_table_and_json_lines_for_each_method_and_size(capsys, tmp_path):
     assert cli_main(argv) == 0
     stdout = capsys.readouterr().out.splitlines()
     assert stdout[0].split() == ["method", "ranks", "median", "ms", "x", "W=2"], stdout
-    assert [line.split()[:2] for line in stdout[1:5]] == [["store", "2"], ["store", "3"], ["gloo_allgather", "2"],
-                                                          ["gloo_allgather", "3"]], stdout  # fmt: skip
+    table = [[m, w] for m in METHODS for w in ("2", "3")]
+    assert [line.split()[:2] for line in stdout[1 : 1 + len(table)]] == table, stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["bench"], r["method"], r["ranks"], r["iters"]) for r in rows] == [
-        ("sync", "store", 2, 3), ("sync", "store", 3, 3), ("sync", "gloo_allgather", 2, 3),
-        ("sync", "gloo_allgather", 3, 3),
-    ]  # fmt: skip
-    assert [r["ratio_to_2"] for r in rows if r["ranks"] == 2] == [1.0, 1.0]
+        ("sync", m, w, 3) for m in METHODS for w in (2, 3)
+    ]
+    assert [r["ratio_to_2"] for r in rows if r["ranks"] == 2] == [1.0] * len(METHODS)
     assert all(r["median_ms"] > 0 and r["cpus"] >= 1 for r in rows), rows
 
 
 def test_unknown_method_is_refused_naming_it(capsys):
     assert cli_main(["bench", "sync", "--methods", "ring"]) == 2
-    assert "bench sync --methods: 'ring' must be one of ['store', 'gloo_allgather']" in capsys.readouterr().err
+    assert f"bench sync --methods: 'ring' must be one of {METHODS} on this host" in capsys.readouterr().err

@@ -1,6 +1,8 @@
 """StoreExchange on 3 gloo ranks: every exchange gives every rank every rank's values (against the
 values computed by hand), old values leave the store, exchanges never mix, a missing rank times out.
-DeviceExchange (the GPU ranks' all-gather) on the same ranks with CPU tensors."""
+DeviceExchange (the GPU ranks' all-gather) on the same ranks with CPU tensors. HostExchange on 4
+ranks as one host and as two and three hosts (given host ids): the same values, nothing left in
+/dev/shm, a missing rank named at the timeout."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import random
 import pytest
 import torch.distributed as dist
 
+from epdraft.parallel.exchange import shared_memory_ok
 from tests.harness import run_ranks
 
 
@@ -74,9 +77,59 @@ def test_store_exchange_gathers_every_rank_in_order_and_cleans_up():
         # Only the last exchange's value is left: the store does not grow with the steps.
         assert out["kept"] == [49], (rank, out["kept"])
     for out in results:
-        assert out["cpu_sync"] == ("StoreExchange", (0, 1, 2))
+        assert out["cpu_sync"] == ("HostExchange" if shared_memory_ok() else "StoreExchange", (0, 1, 2))
         assert out["gpu_sync"] == ("DeviceExchange", "cuda:0", True)
         assert out["device"] == [[(n, r * n) for r in range(3)] for n in range(3)], out["device"]
     assert results[0]["pair"] == results[2]["pair"] == [(0,), (20,)]
     assert "pair" not in results[1]
     assert results[0]["timeout"] is not None and "/2" in results[0]["timeout"], results[0]["timeout"]
+
+
+def _host_exchanges(rank: int, world: int) -> dict:
+    import os
+
+    from epdraft.parallel.exchange import HostExchange
+
+    store = dist.distributed_c10d._get_default_store()
+    layouts = {"one host": None, "two hosts": ["h0", "h1", "h0", "h1"], "three hosts": ["a", "b", "a", "c"]}
+    out: dict = {"mismatches": []}
+    for name, hosts in layouts.items():
+        host = None if hosts is None else hosts[rank]
+        ex = HostExchange(store, range(world), rank=rank, width=3, host=host)
+        other = HostExchange(store, range(world), rank=rank, width=1, host=host)  # same ranks, its own page
+        out[name] = (ex.leaders, ex.local, ex.is_leader)
+        for n in range(60):
+            values = [(n, r, random.Random(n * 7 + r).randrange(-(2**62), 2**62)) for r in range(world)]
+            got = ex.all_gather(values[rank])
+            if got != values:
+                out["mismatches"].append((name, n, got))
+            if n % 3 == 0 and other.all_gather((rank - n,)) != [(r - n,) for r in range(world)]:
+                out["mismatches"].append((name, "other", n))
+    dist.barrier()  # every page mapped and its file unlinked by now
+    out["left"] = [f for f in os.listdir("/dev/shm") if f.startswith("epdraft-exchange-")]
+    if rank in (0, 2):  # a subset, one host; rank 2 never joins exchange 0
+        short = store.clone()
+        short.set_timeout(datetime.timedelta(seconds=1))
+        pair = HostExchange(short, [2, 0], rank=rank, width=1)
+        if rank == 0:
+            try:
+                pair.all_gather((1,))
+                out["timeout"] = None
+            except Exception as e:  # noqa: BLE001 - the test reads the message
+                out["timeout"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not shared_memory_ok(), reason="HostExchange needs Linux x86-64 with /dev/shm")
+def test_host_exchange_gathers_every_rank_in_order_on_one_or_several_hosts():
+    results = run_ranks(4, _host_exchanges, timeout_s=80)
+    for rank, out in enumerate(results):
+        assert out["mismatches"] == [], (rank, out["mismatches"][:3])
+        assert out["left"] == [], out["left"]
+        assert out["one host"] == ((0,), (0, 1, 2, 3), rank == 0)
+        assert out["two hosts"] == ((0, 1), (0, 2) if rank % 2 == 0 else (1, 3), rank in (0, 1))
+        assert out["three hosts"][0] == (0, 1, 3)  # the first rank of hosts a, b, c
+    assert [out["three hosts"][1] for out in results] == [(0, 2), (1,), (0, 2), (3,)]
+    assert results[0]["timeout"].startswith("ParallelError") and "ranks [2]" in results[0]["timeout"], results[0]
