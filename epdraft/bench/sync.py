@@ -44,8 +44,8 @@ class Result(msgspec.Struct, frozen=True, kw_only=True):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16], help="world sizes (default 2 4 8 16)")
-    parser.add_argument("--methods", default=None,
-                        help=f"comma list of: {', '.join(METHODS)} (default: all this host runs; host needs Linux x86-64)")
+    parser.add_argument("--methods", default=None, help=f"comma list of: {', '.join(METHODS)} "
+                        "(default: every one this host runs; host needs Linux x86-64)")  # fmt: skip
     parser.add_argument("--iters", type=int, default=300, help="timed syncs per method and size (default 300)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed syncs first (default 20)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON lines")
@@ -94,7 +94,8 @@ def _rank(rank: int, world: int, methods: list[str], iters: int, warmup: int) ->
         if method == "gloo_allgather":
             sync = _gloo_allgather
         else:
-            exchange = (HostExchange if method == "host" else StoreExchange).over(dist.group.WORLD, width=2 + NUM_EXTRAS)
+            transport = HostExchange if method == "host" else StoreExchange
+            exchange = transport.over(dist.group.WORLD, width=2 + NUM_EXTRAS)
             sync = lambda step, rows, extras: tuple(v[1] for v in exchange.all_gather([step, rows, *extras]))  # noqa: E731
         dist.barrier()
         times = []
