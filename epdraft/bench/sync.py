@@ -96,7 +96,9 @@ def _rank(rank: int, world: int, methods: list[str], iters: int, warmup: int) ->
         else:
             transport = HostExchange if method == "host" else StoreExchange
             exchange = transport.over(dist.group.WORLD, width=2 + NUM_EXTRAS)
-            sync = lambda step, rows, extras: tuple(v[1] for v in exchange.all_gather([step, rows, *extras]))  # noqa: E731
+
+            def sync(step: int, rows: int, extras: tuple[int, ...], exchange=exchange) -> tuple[int, ...]:
+                return tuple(v[1] for v in exchange.all_gather([step, rows, *extras]))
         dist.barrier()
         times = []
         for step in range(warmup + iters):
