@@ -88,7 +88,7 @@ def _print_table(results: list[Result]) -> None:
 
 
 def _rank(rank: int, world: int, methods: list[str], iters: int, warmup: int) -> dict[str, float]:
-    """This rank's median ms per sync of each method (every rank checks every sync's plan)."""
+    """This rank's median ms per sync of each method (every rank checks every sync's counts)."""
     out = {}
     for method in methods:
         if method == "gloo_allgather":
