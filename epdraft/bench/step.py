@@ -11,7 +11,9 @@ adds to a step, timed alternately with the greedy graph (`sampled/graph` is over
 time, not the `graph` column's). The floor is max(bytes / copy bandwidth, FLOPs / 700 TFLOP/s)
 counted from the shapes (the copy bandwidth measured on this kind of GPU, `bench.ceilings`): the
 draft's non-expert weights, the experts the step's routing picked (counted in one eager step:
-random weights route unevenly), the lm_head, and the context K/V read. `kernels` is the eager
+random weights route unevenly), the lm_head, and the context K/V read; `op floor` takes that max
+per op and sums it (`op_floor_seconds`: kernels that run one after another cannot overlap the
+FLOP-bound projections with the byte-bound experts). `kernels` is the eager
 pooled step's CUDA kernel count and `busy ms` their summed device time (torch profiler, launched
 without PDL: with it a kernel's time would include its wait for the kernel before): a graph step
 longer than `busy` spends the difference between launches; `--profile K` prints its K costliest
@@ -395,7 +397,7 @@ def main(args: argparse.Namespace) -> int:
               f"{draft.kernels.label}" + (f"; {draft.kernels.dequantized}" if draft.kernels.dequantized else ""))
     wide = released is not None  # the weights column and the floor on released bytes
     print(f"{'N':>5}{'context':>9}" + (f"{'weights':>10}" if wide else "") + f"{'cache ms':>10}{'eager ms':>10}"
-          f"{'graph ms':>10}{'no-pdl ms':>10}{'floor ms':>10}{'graph/floor':>12}"
+          f"{'graph ms':>10}{'no-pdl ms':>10}{'floor ms':>10}{'graph/floor':>12}{'op floor':>10}{'graph/op':>9}"
           + (f"{'rel floor':>10}{'graph/rel':>10}" if wide else "") + f"{'cache/graph':>12}{'kernels':>9}"
           f"{'busy ms':>9}{'sampled ms':>11}{'sampled/graph':>14}")  # fmt: skip
     profiles = []
@@ -445,11 +447,13 @@ def main(args: argparse.Namespace) -> int:
                     touched = touched_experts(draft, lambda: draft.step(pool, slots, anchors, heads, plan))
                 floor_s, nbytes, flops = floor_seconds(draft, heads, n, context, bytes_per_s, touched)
                 floor = floor_s * 1e3
+                op_floor = op_floor_seconds(step_costs(draft, heads, n, context, touched), bytes_per_s) * 1e3
                 # the release's bytes, whichever draft ran: the quantized twin holds the release's experts
                 rel = None if released is None else floor_seconds(drafts["quantized"], heads, n, context, bytes_per_s,
                                                                   touched, released)[0] * 1e3  # fmt: skip
                 row = dict(kind="step", preset=label, weights=w, requests=n, context=context, cache_ms=cache,
-                           eager_ms=eager, graph_ms=graph, no_pdl_graph_ms=no_pdl, floor_ms=floor, bytes=nbytes,
+                           eager_ms=eager, graph_ms=graph, no_pdl_graph_ms=no_pdl, floor_ms=floor, op_floor_ms=op_floor,
+                           bytes=nbytes,
                            flops=flops, **({"floor_released_ms": rel} if rel is not None else {}),
                            experts_touched=touched, kernels=kernels, busy_ms=busy_us / 1e3, sampled_graph_ms=sampled,
                            greedy_graph_ms_beside_sampled=greedy, sampling=sampling and msgspec.to_builtins(sampling),
@@ -460,7 +464,8 @@ def main(args: argparse.Namespace) -> int:
                 sampled_text = (f"{sampled:>11.3f}{sampled / greedy:>14.3f}" if sampled is not None
                                 else f"{'-':>11}{'-':>14}")  # fmt: skip
                 print(f"{n:>5}{context:>9}" + (f"{w:>10}" if wide else "") + f"{cache_text}{eager:>10.3f}"
-                      f"{graph:>10.3f}{no_pdl:>10.3f}{floor:>10.3f}{graph / floor:>12.2f}"
+                      f"{graph:>10.3f}{no_pdl:>10.3f}{floor:>10.3f}{graph / floor:>12.2f}{op_floor:>10.3f}"
+                      f"{graph / op_floor:>9.2f}"
                       + (f"{rel:>10.3f}{graph / rel:>10.2f}" if wide else "") + f"{ratio}{kernels:>9}"
                       f"{busy_us / 1e3:>9.3f}{sampled_text}{'' if same else '  graph != eager'}")  # fmt: skip
                 if args.profile:
