@@ -142,6 +142,9 @@ def main() -> None:
     diff("ffn_residual r + y + gated s", step_ops.ffn_residual(r, y, s, gt), r + (y + torch.sigmoid(gt) * s))
     diff("ffn_residual r + gated s", step_ops.ffn_residual(r, None, s, gt), r + torch.sigmoid(gt) * s)
     diff("ffn_residual r + y", step_ops.ffn_residual(r, y), r + y)
+    gx, gw = torch.randn(6, 40), torch.randn(1, 40) / 40**0.5
+    diff("ffn_residual r + y + s gated from rows", step_ops.ffn_residual(r, y, s, gate_rows_TH=gx, gate_weight_1H=gw),
+         r + (y + torch.sigmoid(gx @ gw.T) * s))  # fmt: skip
     flags = torch.zeros(2, dtype=torch.int32)
     bad = torch.randn(5000)
     step_ops.flag_nonfinite(bad, flags[0:1])

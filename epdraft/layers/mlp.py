@@ -68,20 +68,35 @@ class DraftMLP(nn.Module):
         self, x_TH: torch.Tensor, plan: StepPlan | None = None, *, residual_TH: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x_TH [T, H] -> [T, H] in x's dtype, plus `residual_TH` when given (the layer's residual
-        add, fused into one launch with the Triton step ops); T may be 0. `plan` is unused (a dense FFN never communicates); it is
-        taken so every FFN of a draft layer is called alike."""
-        y_TH, gate_T1 = self.ungated(x_TH)
-        if self.kernels.step_ops == "triton" and (residual_TH is not None or gate_T1 is not None):
-            return ffn_residual(residual_TH, None, y_TH, gate_T1)
-        y_TH = gate_output(y_TH, gate_T1)
+        add, fused into one launch with the Triton step ops); T may be 0. `plan` is unused (a dense
+        FFN never communicates); it is taken so every FFN of a draft layer is called alike."""
+        y_TH = self.ungated(x_TH)
+        if self.kernels.step_ops == "triton" and (residual_TH is not None or self.output_gate is not None):
+            return self.add_gated(x_TH, y_TH, residual_TH)
+        y_TH = self.gated(x_TH, y_TH)
         return y_TH if residual_TH is None else residual_TH + y_TH
 
-    def ungated(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(down(act(gate x, up x)) [T, H], the output gate's logits [T, 1] or None): the MLP before
-        its output gate, which a caller may fuse into its own add (`DraftMoE` does)."""
+    def ungated(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """down(act(gate x, up x)) [T, H]: the MLP before its output gate, which a caller may fuse
+        into its own add (`add_gated`; `DraftMoE` does)."""
         h_TI = gate_up(self.kernels, x_TH, self.gate_proj, self.up_proj, self.activation)
-        gate_T1 = self.output_gate(x_TH) if self.output_gate is not None else None
-        return project(self.kernels, h_TI, self.down_proj)[0], gate_T1
+        return project(self.kernels, h_TI, self.down_proj)[0]
+
+    def gated(self, x_TH: torch.Tensor, y_TH: torch.Tensor) -> torch.Tensor:
+        """y * sigmoid(output_gate x) (the torch chain), or y when there is no output gate."""
+        return gate_output(y_TH, self.output_gate(x_TH) if self.output_gate is not None else None)
+
+    def add_gated(
+        self,
+        x_TH: torch.Tensor,
+        y_TH: torch.Tensor,
+        residual_TH: torch.Tensor | None,
+        routed_TH: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[residual +] ([routed +] y [* sigmoid(output_gate x)]) in one Triton launch, the output
+        gate's product with x computed inside it (`ffn_residual`)."""
+        gate = {} if self.output_gate is None else {"gate_rows_TH": x_TH, "gate_weight_1H": self.output_gate.weight}
+        return ffn_residual(residual_TH, routed_TH, y_TH, **gate)
 
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | TensorSource) -> set[str]:
         """Copy this layer's tensors from any accepted naming; returns the names consumed, ignores others."""

@@ -12,7 +12,7 @@ from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.config.quant import QuantSpec
 from epdraft.dispatch import Dispatcher, MoeLayout, ReplicatedDispatcher, StepPlan
 from epdraft.kernels.step.ops import ffn_residual
-from epdraft.layers.mlp import DraftMLP, gate_output
+from epdraft.layers.mlp import DraftMLP
 from epdraft.layers.routed_experts import RoutedExperts
 from epdraft.layers.router import Router
 from epdraft.layers.step_kernels import StepKernels
@@ -111,11 +111,13 @@ class DraftMoE(nn.Module):
         dispatcher = self.dispatcher
         handle = dispatcher.dispatch(x_TH, ids_TK, weights_TK, plan)
         y_TH = dispatcher.combine(self.experts(handle.rows_RH, handle.ids_RK, handle.weights_RK), handle)
-        shared_TH, gate_T1 = self.shared.ungated(x_TH) if self.shared is not None else (None, None)
-        if self.kernels.step_ops == "triton" and (shared_TH is not None or residual_TH is not None):
-            return ffn_residual(residual_TH, y_TH, shared_TH, gate_T1)
+        shared_TH = self.shared.ungated(x_TH) if self.shared is not None else None
+        if self.kernels.step_ops == "triton" and shared_TH is not None:
+            return self.shared.add_gated(x_TH, shared_TH, residual_TH, routed_TH=y_TH)
+        if self.kernels.step_ops == "triton" and residual_TH is not None:
+            return ffn_residual(residual_TH, y_TH)
         if shared_TH is not None:
-            y_TH = y_TH + gate_output(shared_TH, gate_T1)
+            y_TH = y_TH + self.shared.gated(x_TH, shared_TH)
         return y_TH if residual_TH is None else residual_TH + y_TH
 
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | TensorSource) -> set[str]:

@@ -224,6 +224,12 @@ def test_ffn_residual_equals_the_torch_adds(dtype):
     _close(step_ops.ffn_residual(r, None, s, gate), r + gated, dtype)
     _close(step_ops.ffn_residual(r, y), r + y, dtype)
     _close(step_ops.ffn_residual(None, y, s), y + s, dtype)
+    # The gate's logits from its input rows and weight in the launch, against nn.Linear's (cuBLAS).
+    x = torch.randn(T, H, device="cuda").to(dtype)
+    w = (torch.randn(1, H, device="cuda") / H**0.5).to(dtype)
+    gated_x = (torch.sigmoid(torch.nn.functional.linear(x, w).float()) * s.float()).to(dtype)
+    _close(step_ops.ffn_residual(r, y, s, gate_rows_TH=x, gate_weight_1H=w), r + (y + gated_x), dtype)
+    _close(step_ops.ffn_residual(r, None, s, gate_rows_TH=x[:, :H], gate_weight_1H=w), r + gated_x, dtype)
 
 
 def test_flag_nonfinite_sets_only_its_flag():

@@ -298,14 +298,16 @@ def gated_act_kernel(
 
 @triton.jit
 def ffn_residual_kernel(
-    r_ptr, y_ptr, s_ptr, g_ptr, out_ptr,
-    H, stride_r, stride_y, stride_s, stride_g, stride_o,
+    r_ptr, y_ptr, s_ptr, g_ptr, gx_ptr, gw_ptr, out_ptr,
+    H, stride_r, stride_y, stride_s, stride_g, stride_gx, stride_o,
     HAS_RESIDUAL: tl.constexpr, HAS_Y: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    GATE_FROM_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One row: out = [r +] ([y +] shared [* sigmoid(gate)]) (or r + y), rounding to out's dtype
-    after the gate and after each add, as the torch chain does."""
+    after the gate and after each add, as the torch chain does. GATE_FROM_ROWS: the gate's logit
+    is the row of gx [T, H] times gw [H] in fp32, rounded to gx's dtype (nn.Linear's output),
+    instead of read from g."""
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
@@ -315,7 +317,12 @@ def ffn_residual_kernel(
     if HAS_SHARED:
         acc = tl.load(s_ptr + row * stride_s + offs, mask=ok, other=0.0).to(tl.float32)
         if HAS_GATE:
-            gate = tl.load(g_ptr + row * stride_g).to(tl.float32)
+            if GATE_FROM_ROWS:
+                gx = tl.load(gx_ptr + row * stride_gx + offs, mask=ok, other=0.0)
+                gw = tl.load(gw_ptr + offs, mask=ok, other=0.0)
+                gate = tl.sum(gx.to(tl.float32) * gw.to(tl.float32), axis=0).to(gx.dtype).to(tl.float32)
+            else:
+                gate = tl.load(g_ptr + row * stride_g).to(tl.float32)
             acc = ((1.0 / (1.0 + tl.exp(-gate))) * acc).to(dtype).to(tl.float32)
     if HAS_Y:
         acc = (tl.load(y_ptr + row * stride_y + offs, mask=ok, other=0.0).to(tl.float32) + acc).to(dtype).to(tl.float32)

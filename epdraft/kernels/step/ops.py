@@ -328,27 +328,35 @@ def ffn_residual(
     y_TH: torch.Tensor | None,
     shared_TH: torch.Tensor | None = None,
     gate_T1: torch.Tensor | None = None,
+    *,
+    gate_rows_TH: torch.Tensor | None = None,
+    gate_weight_1H: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[residual +] ([y +] shared [* sigmoid(gate)]) in one launch, rounded to the tensors' dtype
     after the gate and after each add, as `DraftMLP.forward`, `DraftMoE.forward` and the layer's
     residual add round: the FFN output and the residual stream in one pass. y or shared is given
-    (a gated shared alone is DraftMLP's own output gate); all [T, H], gate_T1 [T, 1] the output
-    gate's logits."""
-    launch.refuse_autograd("ffn_residual", residual_TH, y_TH, shared_TH)
+    (a gated shared alone is DraftMLP's own output gate); all [T, H]. The output gate's logits are
+    gate_T1 [T, 1], or computed in the launch from its input rows gate_rows_TH [T, H] and weight
+    gate_weight_1H [1, H] (x @ w^T in fp32, rounded to x's dtype as nn.Linear's output is): one
+    launch where cuBLAS took a split-K GEMM and its reduce for a [T, H] x [H] product."""
+    launch.refuse_autograd("ffn_residual", residual_TH, y_TH, shared_TH, gate_rows_TH)
     from epdraft.kernels.step._step_triton import ffn_residual_kernel
 
     given = [t for t in (residual_TH, y_TH, shared_TH) if t is not None]
     first = given[0]
     T, H = first.reshape(-1, first.shape[-1]).shape
-    r2, y2, s2 = (_rows(t) if t is not None else None for t in (residual_TH, y_TH, shared_TH))
+    r2, y2, s2, gx2 = (_rows(t) if t is not None else None for t in (residual_TH, y_TH, shared_TH, gate_rows_TH))
     g2 = gate_T1.reshape(-1, 1) if gate_T1 is not None else None
+    gw = gate_weight_1H.reshape(-1) if gate_weight_1H is not None else None
     out = torch.empty(T, H, dtype=first.dtype, device=first.device)
     if T:
         # an absent operand's pointer is `out` (never read: its HAS_ flag is off)
-        r, y, sh, g = (t if t is not None else out for t in (r2, y2, s2, g2))
+        r, y, sh, g, gx = (t if t is not None else out for t in (r2, y2, s2, g2, gx2))
         ffn_residual_kernel[(T,)](
-            r, y, sh, g, out, H, r.stride(0), y.stride(0), sh.stride(0), g.stride(0), out.stride(0),
-            HAS_RESIDUAL=r2 is not None, HAS_Y=y2 is not None, HAS_SHARED=s2 is not None, HAS_GATE=g2 is not None,
+            r, y, sh, g, gx, gw if gw is not None else out, out, H,
+            r.stride(0), y.stride(0), sh.stride(0), g.stride(0), gx.stride(0), out.stride(0),
+            HAS_RESIDUAL=r2 is not None, HAS_Y=y2 is not None, HAS_SHARED=s2 is not None,
+            HAS_GATE=g2 is not None or gx2 is not None, GATE_FROM_ROWS=gx2 is not None,
             BLOCK_H=next_pow2(H), num_warps=4 if H <= 4096 else 8, **launch.kwargs(out.device),
         )  # fmt: skip
     return out.view(first.shape)
