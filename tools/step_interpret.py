@@ -145,6 +145,20 @@ def main() -> None:
     gx, gw = torch.randn(6, 40), torch.randn(1, 40) / 40**0.5
     diff("ffn_residual r + y + s gated from rows", step_ops.ffn_residual(r, y, s, gate_rows_TH=gx, gate_weight_1H=gw),
          r + (y + torch.sigmoid(gx @ gw.T) * s))  # fmt: skip
+    from types import SimpleNamespace
+
+    from epdraft.models.kv_pool import KVPool
+
+    for N, keep in ((1, None), (5, None), (5, 3), (40, 4)):
+        lengths = torch.randint(0, 500, (N + 2,), dtype=torch.int32)
+        slots_N, counts_N = torch.randperm(N + 1)[:N], torch.randint(0, 9, (N,))
+        counts_N[-1] = 0
+        pool = SimpleNamespace(lengths=lengths, pad_slot=N + 1, keep_rows=keep)
+        want = KVPool.placement(pool, slots_N, counts_N, N * 8 + 3)
+        got = step_ops.placement(slots_N, counts_N, lengths, N * 8 + 3, N + 1, keep)
+        if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
+            raise SystemExit(f"placement N {N} keep {keep}: {got} != {want}")
+    print("placement: equal to the pool's torch chain")
     flags = torch.zeros(2, dtype=torch.int32)
     bad = torch.randn(5000)
     step_ops.flag_nonfinite(bad, flags[0:1])

@@ -191,7 +191,8 @@ class DeepseekDSparkDraft(nn.Module):
         projection into the slots' rings at their positions (only each request's last `window`
         rows are kept), then the lengths advance. N >= 1; fixed shapes, no host sync: a CUDA graph
         can hold it (`CommitGraphs`)."""
-        slot_T, position_T = pool.placement(slots_N, counts_N, features_TF.shape[0])
+        triton = self.kernels.step_ops == "triton"
+        slot_T, position_T = pool.placement(slots_N, counts_N, features_TF.shape[0], triton=triton)
         main_TH = self.fuse_features(features_TF.to(self.device))
         rope = self.layers[0].attn.rope(position_T)  # every layer rotates alike: one table for all
         for layer_id, layer in enumerate(self.layers):

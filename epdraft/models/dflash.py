@@ -253,7 +253,8 @@ class DFlashDraft(nn.Module):
         projection (k normed and rotated at its position) into slots_N's rows after their lengths,
         which then advance. N >= 1; shapes depend on N and T only and nothing waits for the
         host: a CUDA graph can hold it (`CommitGraphs`). The host's lengths are the caller's (`pool.append`)."""
-        slot_T, position_T = pool.placement(slots_N, counts_N, features_TF.shape[0])
+        triton = self.kernels.step_ops == "triton"
+        slot_T, position_T = pool.placement(slots_N, counts_N, features_TF.shape[0], triton=triton)
         hidden_TH = self.fuse_features(features_TF)
         if self.kernels.step_ops == "triton":
             for layer_id, layer in enumerate(self.layers):

@@ -24,6 +24,7 @@ import torch
 
 from epdraft.config.sampling import SamplingParams
 from epdraft.errors import RequestError
+from epdraft.kernels.step import ops as step_ops
 from epdraft.sampling import Readout, SamplingBatch
 
 GREEDY = SamplingParams()
@@ -158,12 +159,15 @@ class RequestSlots:
     """Context rows a request keeps (None: all; a ring pool: its window); `placement` drops older ones."""
 
     def placement(
-        self, slots_N: torch.Tensor, counts_N: torch.Tensor, rows: int
+        self, slots_N: torch.Tensor, counts_N: torch.Tensor, rows: int, *, triton: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot_T, position_T) int64 of `rows` packed context rows: request i's counts_N[i] rows
         follow each other at positions length .. of slots_N[i]; rows past sum(counts_N) (a graph's
         padding) and rows older than `keep_rows` of their request go to the pad slot's position 0
-        (never read as context). On the device, from the device lengths: no host sync."""
+        (never read as context). On the device, from the device lengths: no host sync. `triton`:
+        in one launch (`step_ops.placement`, the rank's Triton step ops) instead of the torch chain."""
+        if triton:
+            return step_ops.placement(slots_N, counts_N, self.lengths, rows, self.pad_slot, self.keep_rows)
         device = slots_N.device
         ends_N = counts_N.cumsum(0)
         t_T = torch.arange(rows, device=device)

@@ -347,3 +347,25 @@ def test_joint_projections_above_the_skinny_rows_equal_separate_gemms(dtype, T):
             _close(got, F.linear(x, lin.weight), dtype)
         ref = gated_act(F.linear(x, mlp.gate_proj.weight), F.linear(x, mlp.up_proj.weight), ActivationSpec())
         _close(gate_up(mlp.kernels, x, mlp.gate_proj, mlp.up_proj, ActivationSpec()), ref.to(dtype), dtype)
+
+
+@pytest.mark.parametrize("keep_rows", [None, 5])
+@pytest.mark.parametrize("N,per_request", [(1, 16), (3, 7), (8, 16), (40, 16), (130, 4)])
+def test_placement_launch_equals_the_pools_torch_chain(N, per_request, keep_rows):
+    """`step_ops.placement` (one launch) against `KVPool.placement`'s torch chain on the same
+    lengths: requests with no rows (a bucket's padding), rows past the counts, a ring's keep_rows."""
+    from types import SimpleNamespace
+
+    from epdraft.models.kv_pool import KVPool
+
+    gen = torch.Generator().manual_seed(N * 31 + per_request)
+    lengths = torch.randint(0, 500, (N + 7,), generator=gen, dtype=torch.int32).cuda()
+    pad_slot = N + 6
+    slots_N = torch.randperm(N + 5, generator=gen)[:N].cuda()
+    counts_N = torch.randint(0, per_request + 1, (N,), generator=gen).cuda()
+    counts_N[-1] = 0  # a padding request last
+    pool = SimpleNamespace(lengths=lengths, pad_slot=pad_slot, keep_rows=keep_rows)
+    rows = N * per_request + 3
+    want = KVPool.placement(pool, slots_N, counts_N, rows)
+    got = step_ops.placement(slots_N, counts_N, lengths, rows, pad_slot, keep_rows)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

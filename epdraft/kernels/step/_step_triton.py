@@ -340,3 +340,35 @@ def nonfinite_flag_kernel(x_ptr, flag_ptr, numel, BLOCK: tl.constexpr, PDL: tl.c
     bad = tl.sum(tl.where((x != x) | (tl.abs(x) == float("inf")), 1, 0), axis=0)
     if bad > 0:
         tl.store(flag_ptr, 1)
+
+
+@triton.jit
+def placement_kernel(
+    slots_ptr, counts_ptr, lengths_ptr, slot_out_ptr, pos_out_ptr,
+    N, rows, pad_slot, keep_rows,
+    HAS_KEEP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """BLOCK_T packed context rows: row t belongs to the request i whose count range holds it
+    (ends = cumsum(counts)), at position lengths[slots[i]] + (t - start of i); rows past the last
+    request's end, and with HAS_KEEP rows older than keep_rows of their request, go to the pad
+    slot's position 0."""
+    enter(PDL)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    n = tl.arange(0, BLOCK_N)
+    counts = tl.load(counts_ptr + n, mask=n < N, other=0).to(tl.int64)
+    ends = tl.cumsum(counts, axis=0)
+    total = tl.sum(counts, axis=0)
+    # the request of row t: how many requests end at or before it (clamped to the last)
+    req = tl.minimum(tl.sum((ends[None, :] <= t[:, None]).to(tl.int64), axis=1), N - 1)
+    pick = n[None, :] == req[:, None]
+    start = tl.sum(tl.where(pick, (ends - counts)[None, :], 0), axis=1)
+    count = tl.sum(tl.where(pick, counts[None, :], 0), axis=1)
+    j = t - start
+    live = t < total
+    if HAS_KEEP:
+        live = live & (j >= count - keep_rows)
+    slot = tl.load(slots_ptr + req, mask=t < rows, other=0).to(tl.int64)
+    pos = tl.load(lengths_ptr + slot, mask=live & (t < rows), other=0).to(tl.int64) + j
+    tl.store(slot_out_ptr + t, tl.where(live, slot, pad_slot), mask=t < rows)
+    tl.store(pos_out_ptr + t, tl.where(live, pos, 0), mask=t < rows)

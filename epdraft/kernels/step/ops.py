@@ -20,6 +20,7 @@ from epdraft.kernels.launch import next_pow2
 
 _MERGE_ROWS = 16  # rows per merge program: N * g programs alone leave most SMs idle at small N
 _FLAG_BLOCK = 4096
+_PLACEMENT_TILE = 8192  # rows x requests a placement program compares (row -> its request)
 # rows up to which `Router` takes `router_logits` at any expert count: on the H200 (docs/performance.md)
 # it ran in 4 µs at 16 rows where the fp32 cast, cuBLAS's GEMM and its reduce took ~13, and 7 µs at 128
 ROUTER_KERNEL_MAX_ROWS = 128
@@ -321,6 +322,30 @@ def gated_act(gate_TI: torch.Tensor, up_TI: torch.Tensor, swiglu: bool, limit: f
             SWIGLU=swiglu, HAS_LIMIT=limit > 0, BLOCK=block, num_warps=4, **launch.kwargs(out.device),
         )  # fmt: skip
     return out.view(gate_TI.shape)
+
+
+def placement(
+    slots_N: torch.Tensor, counts_N: torch.Tensor, lengths: torch.Tensor, rows: int, pad_slot: int,
+    keep_rows: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot_T, position_T) int64 of `rows` packed context rows in one launch, as
+    `KVPool.placement`'s torch chain computes them (~15 small launches there): request i's
+    counts_N[i] rows at positions lengths[slots_N[i]] ..; padding rows, and rows older than
+    `keep_rows` of their request, at the pad slot's position 0."""
+    from epdraft.kernels.step._step_triton import placement_kernel
+
+    N = slots_N.shape[0]
+    slot_T = torch.empty(rows, dtype=torch.long, device=slots_N.device)
+    position_T = torch.empty(rows, dtype=torch.long, device=slots_N.device)
+    if rows:
+        block_n = max(16, next_pow2(N))
+        block_t = max(16, min(next_pow2(rows), _PLACEMENT_TILE // block_n))
+        placement_kernel[(-(-rows // block_t),)](
+            slots_N, counts_N, lengths, slot_T, position_T, N, rows, pad_slot, keep_rows or 0,
+            HAS_KEEP=keep_rows is not None, BLOCK_N=block_n, BLOCK_T=block_t, num_warps=4,
+            **launch.kwargs(slots_N.device),
+        )  # fmt: skip
+    return slot_T, position_T
 
 
 def ffn_residual(
