@@ -18,7 +18,7 @@ at `cluster.hang_timeout_s`) rather than by a reset socket.
 The store is one server thread: on a 16-core host a bare get by each of 16 ranks already takes
 3.1x one exchange of 2 ranks (docs/performance.md), so no exchange through one store scales. On
 one host a rank's value needs no server: `HostExchange` has each rank write its value into a
-shared page and read its peers' there (a few microseconds at any W that has a core per rank);
+shared page and read its peers' there (7-13 µs at W = 2-16 on a 16-core host, `bench sync`);
 ranks of other hosts are reached through one `StoreExchange` among each host's first rank.
 """
 
@@ -35,7 +35,6 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
-
 import torch
 import torch.distributed as dist
 
@@ -52,7 +51,7 @@ _SLEEP_S = 5e-5
 _LINE_WORDS = 8  # int64 words in a 64-byte cache line
 # Exchanges over the same ranks are created in the same order on every rank (as groups are), so the
 # k-th exchange over a rank set shares its keys with the k-th of every member, and no other's.
-_CREATED: collections.Counter[tuple[int, ...]] = collections.Counter()
+_CREATED: collections.Counter[tuple] = collections.Counter()
 
 
 class StoreExchange:
