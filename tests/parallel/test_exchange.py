@@ -133,3 +133,42 @@ def test_host_exchange_gathers_every_rank_in_order_on_one_or_several_hosts():
         assert out["three hosts"][0] == (0, 1, 3)  # the first rank of hosts a, b, c
     assert [out["three hosts"][1] for out in results] == [(0, 2), (1,), (0, 2), (3,)]
     assert results[0]["timeout"].startswith("ParallelError") and "ranks [2]" in results[0]["timeout"], results[0]
+
+
+def _unshared_page(rank: int, world: int) -> dict:
+    """Rank 1 claims rank 0's host but cannot open its page (as in a container with its own /dev/shm)."""
+    import os
+    from unittest import mock
+
+    from epdraft.parallel.exchange import HostExchange
+
+    short = dist.distributed_c10d._get_default_store().clone()
+    short.set_timeout(datetime.timedelta(seconds=2))
+    real_open = os.open
+
+    def no_page(path, *args, **kwargs):
+        if rank == 1 and str(path).startswith("/dev/shm/epdraft-exchange-"):
+            raise FileNotFoundError(2, "No such file or directory", path)
+        return real_open(path, *args, **kwargs)
+
+    out: dict = {}
+    with mock.patch("os.open", no_page):
+        try:
+            HostExchange(short, range(world), rank=rank, width=2, host="same")
+            out["error"] = None
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            out["error"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    out["left"] = [f for f in os.listdir("/dev/shm") if f.startswith("epdraft-exchange-")]
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not shared_memory_ok(), reason="HostExchange needs Linux x86-64 with /dev/shm")
+def test_a_rank_that_cannot_map_its_hosts_page_names_it_and_nothing_is_left():
+    first, second = run_ranks(2, _unshared_page, timeout_s=50)
+    assert second["error"].startswith("ParallelError: host exchange: rank 1 cannot open /dev/shm/epdraft-exchange-")
+    assert "its host's first rank 0" in second["error"] and "must share /dev/shm" in second["error"], second
+    # the first rank waited for rank 1 to map its page, up to the store's timeout, which names the key
+    assert first["error"].startswith("DistStoreError") and "mapped/1" in first["error"], first
+    assert first["left"] == second["left"] == []
