@@ -36,7 +36,8 @@ def _exchanges(rank: int, world: int) -> dict:
     # The GPU ranks' transport (an all-gather on the group), here on gloo and CPU tensors.
     device = DeviceExchange(dist.group.WORLD, device=torch.device("cpu"), width=2)
     out["device"] = [device.all_gather((n, rank * n)) for n in range(3)]
-    # The draft's coordinator picks the store on CPU ranks, the device group's all-gather on GPU ranks.
+    # The draft's coordinator picks shared memory on CPU ranks (the store where it is not used), the
+    # device group's all-gather on GPU ranks.
     import dataclasses
     from unittest import mock
 
@@ -47,6 +48,9 @@ def _exchanges(rank: int, world: int) -> dict:
                                         ep_size=world, tp_size=1)  # fmt: skip
     cpu_sync = StepCoordinator.for_groups(groups, num_extras=1)
     out["cpu_sync"] = (type(cpu_sync._exchange).__name__, cpu_sync.sync(5, rank, (rank,)).counts)
+    with mock.patch("epdraft.runtime.coordinator.shared_memory_ok", return_value=False):  # e.g. an aarch64 host
+        store_sync = StepCoordinator.for_groups(groups, num_extras=1)
+    out["store_sync"] = (type(store_sync._exchange).__name__, store_sync.sync(6, rank * 2, (rank,)).counts)
     with mock.patch("torch.cuda.current_device", return_value=0):
         gpu_sync = StepCoordinator.for_groups(dataclasses.replace(groups, device_type="cuda"), num_extras=1)
     out["gpu_sync"] = (type(gpu_sync._exchange).__name__, str(gpu_sync._exchange.device),
@@ -78,6 +82,7 @@ def test_store_exchange_gathers_every_rank_in_order_and_cleans_up():
         assert out["kept"] == [49], (rank, out["kept"])
     for out in results:
         assert out["cpu_sync"] == ("HostExchange" if shared_memory_ok() else "StoreExchange", (0, 1, 2))
+        assert out["store_sync"] == ("StoreExchange", (0, 2, 4))
         assert out["gpu_sync"] == ("DeviceExchange", "cuda:0", True)
         assert out["device"] == [[(n, r * n) for r in range(3)] for n in range(3)], out["device"]
     assert results[0]["pair"] == results[2]["pair"] == [(0,), (20,)]
