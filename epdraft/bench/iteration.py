@@ -34,8 +34,8 @@ import torch
 from epdraft.bench.ceilings import memory_bytes_per_s
 from epdraft.bench.drafts import random_draft
 from epdraft.bench.step import (
-    TENSOR_FLOPS, RandomHeads, _ints, _profile, add_draft_arguments, emit, floor_seconds, op_floor_seconds,
-    preset_draft_config, print_profiles, step_costs, time_alternately_ms, touched_experts,
+    RandomHeads, _ints, _profile, add_draft_arguments, emit, op_floor_seconds, preset_draft_config,
+    print_profiles, step_costs, time_alternately_ms, touched_experts, whole_floor_seconds,
 )  # fmt: skip
 from epdraft.bench.step_plot import plot, pyplot, read_results
 from epdraft.dispatch import StepPlan
@@ -166,14 +166,13 @@ def main(args: argparse.Namespace) -> int:
                                                      args.profile)  # fmt: skip
                 reset()
                 touched = touched_experts(draft, lambda: draft.step(pool, slots_N, anchors_N, heads, plan))
-            step_s, step_bytes, step_flops = floor_seconds(draft, heads, n, context, bytes_per_s, touched)
+            propose_costs = step_costs(draft, heads, n, context, touched)
             mean_rows = sum(sum(c) for c, _ in outcomes) / len(outcomes)
-            commit_bytes, commit_flops = commit_cost(draft, pool, mean_rows)
-            nbytes, flops = step_bytes + commit_bytes, step_flops + commit_flops
-            floor = max(nbytes / bytes_per_s, flops / TENSOR_FLOPS) * 1e3
-            costs = step_costs(draft, heads, n, context, touched) + [(commit_bytes, commit_flops)]
+            costs = propose_costs + [commit_cost(draft, pool, mean_rows)]
+            floor_s, nbytes, flops = whole_floor_seconds(costs, bytes_per_s)
+            floor = floor_s * 1e3
             op_floor = op_floor_seconds(costs, bytes_per_s) * 1e3
-            propose_floor = step_s * 1e3
+            propose_floor = whole_floor_seconds(propose_costs, bytes_per_s)[0] * 1e3
             row = dict(kind="iteration", preset=label, requests=n, context=context, rows_per_request=mean_rows / n,
                        commit_graph_ms=commit, propose_graph_ms=propose, propose_floor_ms=propose_floor, graph_ms=graph,
                        eager_ms=eager, floor_ms=floor, op_floor_ms=op_floor, bytes=int(nbytes), flops=flops,

@@ -177,7 +177,12 @@ def floor_seconds(
     it is held in (a quantized expert's values and scales, `drafts.expert_bytes`); `nbytes(name,
     tensor)` counts the non-expert tensors otherwise (`drafts.released_bytes`: as released). FLOPs
     come from the logical shapes, whatever the storage."""
-    costs = step_costs(draft, heads, n, context, touched, nbytes)
+    return whole_floor_seconds(step_costs(draft, heads, n, context, touched, nbytes), bytes_per_s)
+
+
+def whole_floor_seconds(costs: list[tuple[float, float]], bytes_per_s: float) -> tuple[float, int, float]:
+    """(floor s, bytes, FLOPs) of ops' (bytes, FLOPs) taken as one whole: max(all bytes / bandwidth,
+    all FLOPs / TENSOR_FLOPS) (`floor_seconds`; `op_floor_seconds` bounds each op on its own)."""
     total, flops = sum(b for b, _ in costs), sum(f for _, f in costs)
     return max(total / bytes_per_s, flops / TENSOR_FLOPS), int(total), flops
 
@@ -445,9 +450,10 @@ def main(args: argparse.Namespace) -> int:
                                          args.warmup)  # fmt: skip
                         del caches
                     touched = touched_experts(draft, lambda: draft.step(pool, slots, anchors, heads, plan))
-                floor_s, nbytes, flops = floor_seconds(draft, heads, n, context, bytes_per_s, touched)
+                costs = step_costs(draft, heads, n, context, touched)
+                floor_s, nbytes, flops = whole_floor_seconds(costs, bytes_per_s)
                 floor = floor_s * 1e3
-                op_floor = op_floor_seconds(step_costs(draft, heads, n, context, touched), bytes_per_s) * 1e3
+                op_floor = op_floor_seconds(costs, bytes_per_s) * 1e3
                 # the release's bytes, whichever draft ran: the quantized twin holds the release's experts
                 rel = None if released is None else floor_seconds(drafts["quantized"], heads, n, context, bytes_per_s,
                                                                   touched, released)[0] * 1e3  # fmt: skip

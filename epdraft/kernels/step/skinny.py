@@ -28,7 +28,7 @@ _DTYPES = (torch.bfloat16, torch.float16)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) per kind of GPU, each measured there (tools/skinny_tune.py's
 # step mix, then the step and the commit side by side). On an H100 the mix's best, (32, 256, 4, 4),
 # summed 56.2 µs over issue13's projections at 16 rows against this config's 61.5, but in `bench
-# iteration` at N = 1 the step ran no faster and the commit 12 µs slower: the H100 keeps the H200's
+# iteration` at N = 1 the step ran no faster and the commit 12 µs slower: the H100 keeps the H200's config.
 DEVICE_CONFIGS: dict[str, tuple[int, int, int, int]] = {"H200": (32, 128, 4, 5)}
 DEFAULT_CONFIG = DEVICE_CONFIGS["H200"]  # on a GPU none was measured on
 # what the pipelined tiles are held to: Triton's buffers for a config took up to ~1.8x this count
