@@ -23,8 +23,9 @@ family (`epdraft.kernels`).
                        the per-expert loop (`layers.experts`)
     quantized_experts  the routed experts stay FP8 / MXFP4 as stored and the fused kernels decode
                        them; False: a quantized checkpoint is dequantized to the draft's dtype at load
-    sampling           "triton": a sampled readout without top-k / top-p draws its drafts in one
-                       launch (`kernels.sample.propose`); "torch": `epdraft.sampling`'s tensor ops
+    sampling           "triton": the argmax readout in two launches (`kernels.sample.argmax`), a
+                       sampled readout without top-k / top-p in one (`kernels.sample.propose`);
+                       "torch": torch's argmax and `epdraft.sampling`'s tensor ops
     graphs             the step replays from CUDA graphs (`runtime.graphs`)
 
 Adding a kernel family: docs/compute-kernels.md. The Triton paths have no backward: a draft

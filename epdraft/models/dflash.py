@@ -23,6 +23,7 @@ from torch import nn
 
 from epdraft.dispatch import Dispatcher, StepPlan
 from epdraft.errors import ConfigError, NonFiniteError
+from epdraft.kernels.sample.argmax import argmax_rows
 from epdraft.kernels.step.ops import flag_nonfinite
 from epdraft.layers.build import build_ffn
 from epdraft.layers.step_kernels import StepKernels
@@ -360,6 +361,8 @@ class DFlashDraft(nn.Module):
         logits (every position at once: DFlash's drafts are independent given the block)."""
         logits_NkV = heads.lm_head(hidden_NkH)
         if sampling is None:
+            if self.kernels.sampling == "triton":
+                return argmax_rows(logits_NkV.flatten(0, -2)).view(logits_NkV.shape[:-1]), None, None
             return logits_NkV.argmax(dim=-1), None, None
         drafts_NK, q_NkV = propose_tokens(logits_NkV, sampling.batch, sampling.first_N,
                                           fused=self.kernels.sampling == "triton")  # fmt: skip

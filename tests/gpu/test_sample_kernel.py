@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from epdraft.config.sampling import SamplingParams
+from epdraft.kernels.sample.argmax import argmax_rows
 from epdraft.kernels.sample.markov_argmax import markov_argmax
 from epdraft.kernels.sample.propose import propose_sampled
 from epdraft.sampling import SamplingBatch, Stream, propose_tokens
@@ -79,3 +80,21 @@ def test_markov_argmax_equals_the_logits_argmax(dtype, N, V, R):
     assert (got == logits.argmax(dim=1)).float().mean() >= 0.99 if N else True
     if N > 3:
         assert int(got[3]) == 7
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("N,V", [(1, 32000), (15, 32000), (960, 32000), (7, 129280), (3, 2049), (2, 5), (0, 300)])
+def test_argmax_rows_equals_torch_argmax(dtype, N, V):
+    """torch.argmax's tokens bit for bit: coarse bf16 logits (many exact ties, the first wins), a
+    strided view, a row of -inf but one token, a maximum tied across vocabulary blocks, -inf rows."""
+    gen = torch.Generator(device=DEVICE).manual_seed(N * 7 + V)
+    logits = (torch.randn(N, 2 * V, generator=gen, device=DEVICE) * 3).round().to(dtype)[:, ::2]
+    if N >= 3:
+        logits[0] = float("-inf")
+        logits[1] = float("-inf")
+        logits[1, V - 1] = 0.0
+        logits[2, V - 1] = logits[2, 0] = logits[2].max() + 1  # the same maximum in the first and last blocks
+    got = argmax_rows(logits)
+    assert got.dtype == torch.long and got.shape == (N,)
+    assert torch.equal(got, logits.argmax(dim=-1))

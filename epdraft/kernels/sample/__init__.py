@@ -1,2 +1,3 @@
 """The readout kernel family: draft tokens drawn from their processed logits in one launch
-(`propose`), and a Markov head's greedy drafts without their logits (`markov_argmax`)."""
+(`propose`), the greedy drafts' argmax over the vocabulary (`argmax`), and a Markov head's greedy
+drafts without their logits (`markov_argmax`)."""

@@ -1,4 +1,5 @@
-"""The Triton programs of `epdraft.kernels.sample.markov_argmax` (imported on first launch)."""
+"""The Triton program of `epdraft.kernels.sample.markov_argmax` (imported on first launch; its merge
+is `_argmax_triton`'s)."""
 
 from __future__ import annotations
 
@@ -33,22 +34,3 @@ def markov_argmax_partial_kernel(
         first = tl.min(tl.where(logits == best, v, V), axis=0)
         tl.store(val_ptr + n * NB + vb, best)
         tl.store(idx_ptr + n * NB + vb, first)
-
-
-@triton.jit
-def argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, NB, V, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Row n: the first token of the largest of its NB block maxima (torch.argmax's tie rule)."""
-    enter(PDL)
-    n = tl.program_id(0).to(tl.int64)
-    best = float("-inf")
-    for b0 in range(0, NB, BLOCK):
-        b = b0 + tl.arange(0, BLOCK)
-        best = tl.maximum(best, tl.max(tl.load(val_ptr + n * NB + b, mask=b < NB, other=float("-inf")), axis=0))
-    first = V
-    for b0 in range(0, NB, BLOCK):
-        b = b0 + tl.arange(0, BLOCK)
-        ok = b < NB
-        vals = tl.load(val_ptr + n * NB + b, mask=ok, other=float("-inf"))
-        idxs = tl.load(idx_ptr + n * NB + b, mask=ok, other=V)
-        first = tl.minimum(first, tl.min(tl.where(vals == best, idxs, V), axis=0))
-    tl.store(out_ptr + n, first.to(tl.int64))

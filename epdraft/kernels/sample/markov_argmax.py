@@ -31,7 +31,8 @@ def markov_argmax(base_NV: torch.Tensor, latent_Nr: torch.Tensor, w2_Vr: torch.T
     """[N] int64: argmax over V of base_NV (any float dtype, unit stride in V) + latent_Nr (fp32) .
     w2_Vr (the head's weight, any float dtype) per row, the first token on a tie."""
     launch.refuse_autograd("markov_argmax", base_NV, latent_Nr, w2_Vr)
-    from epdraft.kernels.sample._markov_argmax_triton import argmax_merge_kernel, markov_argmax_partial_kernel
+    from epdraft.kernels.sample._argmax_triton import argmax_merge_kernel
+    from epdraft.kernels.sample._markov_argmax_triton import markov_argmax_partial_kernel
 
     N, V = base_NV.shape
     R = w2_Vr.shape[1]
