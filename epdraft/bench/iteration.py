@@ -6,10 +6,8 @@ per request, drawn at random, their target features random) into the draft's con
 `propose` (the draft step). For each batch N (`--requests`) and context (`--context`), with
 random weights and a random context of exactly that length before every timed call (reset outside
 the timing), it times side by side (CUDA events, median of `--steps` after `--warmup`, alternating):
-`commit` and `propose` each replayed from their own CUDA graphs, `graph` (what an engine's
-iteration costs under `draft.cuda_graphs`: the commit staged, then one graph that writes it and
-runs the step), `2 graphs` (the commit's graph, then the step's: what `flush` costs an iteration)
-and `eager` (the commit and the step eagerly).
+`commit` and `propose` each replayed from their CUDA graphs, `graph` (the two back to back, what an
+engine's iteration costs under `draft.cuda_graphs`) and `eager` (the same two eagerly).
 
 Floors are max(bytes / copy bandwidth, FLOPs / 700 TFLOP/s) from the shapes (the copy bandwidth
 measured on this kind of GPU, `bench.ceilings`): `propose floor` is `bench step`'s (the weights the
@@ -100,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"draft {label}: H {spec.hidden_size}, {spec.num_layers} layers, block {B}, commits 1..{R} rows per request, "
           f"bf16, {torch.cuda.get_device_name()}; floor at the {ceiling}")
     print(f"{'N':>5}{'context':>9}{'rows':>6}{'commit ms':>11}{'propose ms':>11}{'prop floor':>11}{'prop/floor':>11}"
-          f"{'graph ms':>10}{'2 graphs':>10}{'eager ms':>10}{'floor ms':>10}{'graph/floor':>12}{'op floor':>10}{'graph/op':>9}"
+          f"{'graph ms':>10}{'eager ms':>10}{'floor ms':>10}{'graph/floor':>12}{'op floor':>10}{'graph/op':>9}"
           f"{'kernels':>9}{'busy ms':>9}")  # fmt: skip
     gen = torch.Generator(device=device).manual_seed(1)
     results, profiles = [], []
@@ -110,13 +108,13 @@ def main(args: argparse.Namespace) -> int:
             pool.admit(slot)
         for rows in pool.buffers:
             rows.normal_()
+        step_graphs = StepGraphs(
+            lambda s, a, plan, readout: draft.step(pool, s, a, heads, plan, readout=readout), pad_slot=pool.pad_slot,
+            buckets=tuple(sorted(set(requests))), block_size=B, device=device,
+        )  # fmt: skip
         commit_graphs = CommitGraphs(
             lambda s, c, f: draft.write_context(pool, s, c, f), pad_slot=pool.pad_slot,
             buckets=tuple(sorted(set(requests))), rows_per_request=R, width=width, dtype=pool.dtype, device=device,
-        )  # fmt: skip
-        step_graphs = StepGraphs(
-            lambda s, a, plan, readout: draft.step(pool, s, a, heads, plan, readout=readout), pad_slot=pool.pad_slot,
-            buckets=tuple(sorted(set(requests))), block_size=B, device=device, commits=commit_graphs,
         )  # fmt: skip
         for n in requests:
             ids = list(range(n))
@@ -145,14 +143,7 @@ def main(args: argparse.Namespace) -> int:
             def propose_graph() -> None:
                 step_graphs.run(ids, anchors, plan)
 
-            def iteration_graph() -> None:  # as DraftRuntime: commit staged, written by the step's graph
-                counts, rows = outcomes[turn[0]]
-                commit_graphs.stage(counts, rows)
-                for rid, c in zip(ids, counts):
-                    pool.book(rid, c)
-                step_graphs.run(ids, anchors, plan, commit=(ids, counts))
-
-            def iteration_two_graphs() -> None:
+            def iteration_graph() -> None:
                 commit_graph()
                 propose_graph()
 
@@ -162,9 +153,8 @@ def main(args: argparse.Namespace) -> int:
                 draft.step(pool, slots_N, anchors_N, heads, plan)
 
             with torch.no_grad():
-                commit, propose, graph, apart, eager = time_alternately_ms(
-                    [commit_graph, propose_graph, iteration_graph, iteration_two_graphs, iteration_eager], args.steps,
-                    args.warmup, before=reset,
+                commit, propose, graph, eager = time_alternately_ms(
+                    [commit_graph, propose_graph, iteration_graph, iteration_eager], args.steps, args.warmup, before=reset
                 )  # fmt: skip
                 reset()
                 counts, rows = outcomes[0]
@@ -185,15 +175,13 @@ def main(args: argparse.Namespace) -> int:
             propose_floor = whole_floor_seconds(propose_costs, bytes_per_s)[0] * 1e3
             row = dict(kind="iteration", preset=label, requests=n, context=context, rows_per_request=mean_rows / n,
                        commit_graph_ms=commit, propose_graph_ms=propose, propose_floor_ms=propose_floor, graph_ms=graph,
-                       two_graphs_ms=apart, eager_ms=eager, floor_ms=floor, op_floor_ms=op_floor, bytes=int(nbytes),
-                       flops=flops,
+                       eager_ms=eager, floor_ms=floor, op_floor_ms=op_floor, bytes=int(nbytes), flops=flops,
                        experts_touched=touched, commit_kernels=kernels, commit_busy_ms=busy_us / 1e3,
                        device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
             results.append(row)
             print(f"{n:>5}{context:>9}{mean_rows / n:>6.1f}{commit:>11.3f}{propose:>11.3f}{propose_floor:>11.3f}"
-                  f"{propose / propose_floor:>11.2f}{graph:>10.3f}{apart:>10.3f}{eager:>10.3f}{floor:>10.3f}"
-                  f"{graph / floor:>12.2f}{op_floor:>10.3f}{graph / op_floor:>9.2f}{kernels:>9}"
-                  f"{busy_us / 1e3:>9.3f}")  # fmt: skip
+                  f"{propose / propose_floor:>11.2f}{graph:>10.3f}{eager:>10.3f}{floor:>10.3f}{graph / floor:>12.2f}"
+                  f"{op_floor:>10.3f}{graph / op_floor:>9.2f}{kernels:>9}{busy_us / 1e3:>9.3f}")  # fmt: skip
             if args.profile:
                 profiles.append((n, context, busy_us, top))
         del step_graphs, commit_graphs, pool

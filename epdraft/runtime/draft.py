@@ -18,13 +18,9 @@ each MoE collective is entered exactly once per layer per step by every rank.
 
 Context K/V live in the draft's pool (a KVPool, or a WindowKVPool) sized once (`max_requests` x
 `max_context` rows), written in place by `add_request` / `commit`; with `kernels.graphs` the step
-is replayed from a CUDA graph per batch bucket (`epdraft.runtime.graphs`), and a commit's rows are
-only staged (copied into the graphs' static rows, the lengths booked on the host) and written by
-the next step's graph, before its step: one replay an iteration. Whatever else needs them written
-first (a second commit, the release of a request they belong to, a step too small to hold them,
-`flush`) writes them from the commit's own graph. Nothing waits for the device: the pool's
-bookkeeping stays on the host, and the step's finite flags are copied back asynchronously and
-checked by a later `commit` once they have arrived. Which kernel runs each op of the step is resolved once, in
+and the commit are each replayed from a CUDA graph per batch bucket (`epdraft.runtime.graphs`), and
+neither waits for the device: the pool's bookkeeping stays on the host, and the step's finite flags
+are copied back asynchronously and checked by a later `commit` once they have arrived. Which kernel runs each op of the step is resolved once, in
 `build` (`StepKernels`), logged beside the MoE layout and reported in the run summary.
 
 Every rank's `Watchdog` beats through the rendezvous store (the runner passes its own; otherwise
@@ -134,7 +130,6 @@ class DraftRuntime:
             )
         self.graphs: StepGraphs | None = None
         self.commit_graphs: CommitGraphs | None = None
-        self._staged: tuple[list[int], list[int], list[int]] | None = None  # a commit's ids, slots, counts
         if self.kernels.graphs:
             spec = draft.spec
             self.commit_graphs = CommitGraphs(
@@ -148,7 +143,7 @@ class DraftRuntime:
                     self.pool, slots, anchors, heads, plan, readout=readout
                 ),
                 pad_slot=self.pool.pad_slot, buckets=default_buckets(max_requests), block_size=draft.block_size,
-                device=draft.device, commits=self.commit_graphs,
+                device=draft.device,
             )  # fmt: skip
         elif timers is not None:
             for m in moe_layers:
@@ -244,9 +239,8 @@ class DraftRuntime:
 
     @torch.no_grad()
     def warm_up(self, progress: Callable[[int], None] | None = None) -> None:
-        """Capture the step's CUDA graphs (argmax readout: alone, and after a staged commit) and the
-        commit's of every batch bucket now, so that no request pays a capture later; `progress(buckets
-        done)` after each. Without graphs
+        """Capture the step's CUDA graph (argmax readout) and the commit's of every batch bucket now,
+        so that no request pays a capture later; `progress(buckets done)` after each. Without graphs
         it does nothing. Every rank of the DP group must call it at the same point, built with the same
         `max_requests` (the same buckets, as any step under graphs needs): each capture runs the
         MoE layers' collectives at the bucket's shapes (on pad rows only: nothing is drafted).
@@ -256,8 +250,7 @@ class DraftRuntime:
         ranks = self.coordinator.ranks
         for done, bucket in enumerate(self.graphs.buckets, start=1):
             self.watchdog.progress(phase=f"capturing the draft step for {bucket} requests")
-            self.graphs.capture(bucket, commit=False, ranks=ranks)
-            self.graphs.capture(bucket, commit=True, ranks=ranks)
+            self.graphs.run([], [], StepPlan(step=-1, ranks=ranks, counts=(bucket * self.block_size,) * len(ranks)))
             self.commit_graphs.capture(bucket)
             if progress is not None:
                 progress(done)
@@ -284,33 +277,8 @@ class DraftRuntime:
             raise
 
     def release(self, request_id: int) -> None:
-        """Forget a finished request's context and free its pool slot (its staged rows written first:
-        the slot's next owner starts from an empty context)."""
-        if self._staged is not None and request_id in self._staged[0]:
-            self.flush()
+        """Forget a finished request's context and free its pool slot."""
         self.pool.release(request_id)
-
-    def flush(self) -> None:
-        """Write a staged commit's rows now, from the commit's own graph, rather than in the next
-        step's (what reads the pool's device rows or lengths directly needs it; the runtime's own
-        methods flush where they must). Without a staged commit it does nothing."""
-        if self._staged is not None:
-            _, slots, counts = self._staged
-            self._staged = None
-            with self._phase("draft_context"):
-                self.commit_graphs.replay(slots, counts)
-
-    def _ride(self, plan: StepPlan) -> tuple[list[int], list[int]] | None:
-        """The staged commit's (slots, counts) for this step's graph to write first; flushed instead
-        when it has more requests than the step's bucket holds."""
-        if self._staged is None:
-            return None
-        if len(self._staged[1]) > self.graphs.bucket(plan):
-            self.flush()
-            return None
-        _, slots, counts = self._staged
-        self._staged = None
-        return slots, counts
 
     @torch.no_grad()
     def propose(
@@ -326,8 +294,7 @@ class DraftRuntime:
         last verified token).
 
         Every rank must call this once per step, an idle rank with `anchors = {}`. Returns with
-        empty drafts on every rank when the agreed plan says no rank has rows. Under graphs the
-        last commit's staged rows are written by the same replay, before the step. No host sync on
+        empty drafts on every rank when the agreed plan says no rank has rows. No host sync on
         CUDA beyond the step's CPU-group sync (none with `counts`): the drafts stay on the device,
         and their layers' finite flags are copied to the host asynchronously, checked by the first
         `commit` that finds them arrived.
@@ -362,9 +329,8 @@ class DraftRuntime:
             slots = [self.pool.slot(r) for r in ids]
             readout = self.pool.readout(ids)
             if self.graphs is not None:
-                commit = self._ride(plan)
                 with self._phase("draft_step_graph"):
-                    out = self.graphs.run(slots, [anchors[r] for r in ids], plan, readout=readout, commit=commit)
+                    out = self.graphs.run(slots, [anchors[r] for r in ids], plan, readout=readout)
             else:
                 with self._phase("draft_attention"):
                     device = self.draft.device
@@ -454,10 +420,8 @@ class DraftRuntime:
     def commit(self, result: VerifyResult) -> None:
         """Append each verified request's committed rows (anchor + accepted drafts) to its context.
 
-        Under graphs the rows are staged (copied into the graphs' static rows; the lengths booked)
-        and written by the next `propose`'s graph (or a `flush`): with `result.commit_lens` on the
-        host (as an engine has them) nothing waits for the device. `result.features` may be reused
-        once this returns (the copy is queued on the current stream).
+        Under graphs the rows go through the commit's CUDA graph of the requests' bucket: with
+        `result.commit_lens` on the host (as an engine has them) nothing waits for the device.
         Raises RequestError naming draft.max_context (before writing anything) when a request's
         rows do not fit; NonFiniteError naming the step and draft layer whose hidden states went
         NaN or inf, once that step's flags (from `propose`) have reached the host.
@@ -474,12 +438,9 @@ class DraftRuntime:
                 return
             for rid, n in zip(ids, counts):
                 self.pool.check_room(rid, n)
-            slots = [self.pool.slot(r) for r in ids]
-            self.flush()  # no propose since the last commit: its staged rows are written first
-            self.commit_graphs.stage(counts, result.features)
+            self.commit_graphs.run([self.pool.slot(r) for r in ids], counts, result.features)
             for rid, n in zip(ids, counts):
                 self.pool.book(rid, n)
-            self._staged = (ids, slots, counts)
 
     def close(self) -> None:
         """Free the dispatcher's buffers (every rank of the MoE group must call it) and stop the

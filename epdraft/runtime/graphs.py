@@ -14,11 +14,6 @@ sampled with top-k / top-p) has its own graph per bucket: an all-greedy step kee
 A commit has no collective, so its bucket is this rank's own request count; its rows (1 ..
 `rows_per_request` per request, packed) are copied into the graph's static rows and the padding
 goes to the pad slot (`RequestSlots.placement`).
-
-A commit staged (its rows copied in, `CommitGraphs.stage`) but not yet replayed can instead ride
-in the next step's graph: StepGraphs given the CommitGraphs captures, per bucket and readout, a
-second graph that writes the staged rows (the commit's program at the step's bucket) and then
-runs the step, so an iteration replays one graph, not two (`run(..., commit=(slots, counts))`).
 """
 
 from __future__ import annotations
@@ -81,16 +76,15 @@ class _Inputs:
 @dataclasses.dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    inputs: _Inputs  # rows: slots, anchors (and with a commit: its slots, its counts)
+    inputs: _Inputs  # rows: slots, anchors
     output: DraftStep
 
 
 class StepGraphs:
-    """Captures and replays `step(slots_N, anchors_N, plan, readout) -> DraftStep` per bucket and
-    readout, and, given `commits`, the same step after a staged commit's write, in one graph.
+    """Captures and replays `step(slots_N, anchors_N, plan, readout) -> DraftStep` per bucket and readout.
 
     step: the draft step over static inputs (`draft.step` bound to its pool and heads).
-    pad_slot: the slot padding rows read. buckets: ascending request counts (`commits`' too).
+    pad_slot: the slot padding rows read. buckets: ascending request counts.
     """
 
     def __init__(
@@ -101,15 +95,13 @@ class StepGraphs:
         buckets: tuple[int, ...],
         block_size: int,
         device: torch.device,
-        commits: CommitGraphs | None = None,
     ):
         self.step = step
         self.pad_slot = pad_slot
         self.buckets = buckets
         self.block_size = block_size
         self.device = device
-        self.commits = commits
-        self._captured: dict[tuple[int, Readout, bool], _Captured] = {}
+        self._captured: dict[tuple[int, Readout], _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
     def bucket(self, plan: StepPlan) -> int:
@@ -117,72 +109,36 @@ class StepGraphs:
         return bucket_for(self.buckets, -(-plan.max_count // self.block_size))
 
     def run(
-        self,
-        slots: list[int],
-        anchors: list[int],
-        plan: StepPlan,
-        *,
-        readout: Readout = Readout.ARGMAX,
-        commit: tuple[list[int], list[int]] | None = None,
+        self, slots: list[int], anchors: list[int], plan: StepPlan, *, readout: Readout = Readout.ARGMAX
     ) -> DraftStep:
         """The step's output for these len(slots) requests, on the device, from the graph of the
         bucket and readout (captured on first use); views of the graph's static outputs,
-        overwritten by the next replay of that graph.
-
-        commit: (slots, counts) of the commit `commits` staged last, written first by the same
-        graph (captured apart from the plain step's); at most the step's bucket requests."""
+        overwritten by the next replay of that graph."""
         b = self.bucket(plan)
-        fused = commit is not None
-        if fused and (self.commits is None or len(commit[0]) > b):
-            raise RequestError(
-                f"a commit of {len(commit[0])} requests cannot ride in a step graph of bucket {b}"
-                + ("" if self.commits is not None else " built without CommitGraphs")
-            )
-        captured = self._captured.get((b, readout, fused))
+        captured = self._captured.get((b, readout))
         if captured is None:
-            captured = self._capture(b, readout, fused, plan, slots, anchors)
-        rows = [(slots, self.pad_slot), (anchors, 0)]
-        if fused:
-            rows += [(commit[0], self.pad_slot), (commit[1], 0)]
-        captured.inputs.send(rows)
+            captured = self._capture(b, readout, plan, slots, anchors)
+        captured.inputs.send([(slots, self.pad_slot), (anchors, 0)])
         captured.graph.replay()
         return captured.output.first(len(slots))
 
-    def capture(self, b: int, *, commit: bool, ranks: tuple[int, ...]) -> None:
-        """Capture bucket `b`'s argmax step (`commit`: the one after a staged commit) now (start-up),
-        unless it already is: every rank of `ranks` (the DP group) the same bucket at the same point."""
-        if (b, Readout.ARGMAX, commit) not in self._captured:
-            plan = StepPlan(step=-1, ranks=ranks, counts=(b * self.block_size,) * len(ranks))
-            self._capture(b, Readout.ARGMAX, commit, plan, [], [])
-
-    def _capture(
-        self, b: int, readout: Readout, fused: bool, plan: StepPlan, slots: list[int], anchors: list[int]
-    ) -> _Captured:
+    def _capture(self, b: int, readout: Readout, plan: StepPlan, slots: list[int], anchors: list[int]) -> _Captured:
         bucket_plan = StepPlan(step=plan.step, ranks=plan.ranks, counts=(b * self.block_size,) * len(plan.ranks))
         pad = b - len(slots)
-        rows = [list(slots) + [self.pad_slot] * pad, list(anchors) + [0] * pad]
-        if fused:  # all padding: the warm-up run below writes junk rows to the pad slot only
-            rows += [[self.pad_slot] * b, [0] * b]
-        inputs = _Inputs.of(rows, self.device)
-
-        def program() -> DraftStep:
-            if fused:
-                self.commits.write(inputs.device[2], inputs.device[3], self.commits.rows(b))
-            return self.step(inputs.device[0], inputs.device[1], bucket_plan, readout)
-
+        inputs = _Inputs.of([list(slots) + [self.pad_slot] * pad, list(anchors) + [0] * pad], self.device)
+        slots_d, anchors_d = inputs.device[0], inputs.device[1]
         # Warm up on a side stream (lazy inits, Triton autotuning, allocator) before capturing.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            program()
+            self.step(slots_d, anchors_d, bucket_plan, readout)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            output = program()
-        log.info("captured the draft step (%s readout%s) for %d requests (bucket %d)",
-                 readout.value, ", after a commit" if fused else "", len(slots), b)  # fmt: skip
+            output = self.step(slots_d, anchors_d, bucket_plan, readout)
+        log.info("captured the draft step (%s readout) for %d requests (bucket %d)", readout.value, len(slots), b)
         captured = _Captured(graph, inputs, output)
-        self._captured[b, readout, fused] = captured
+        self._captured[b, readout] = captured
         return captured
 
 
@@ -190,6 +146,7 @@ class StepGraphs:
 class _CapturedCommit:
     graph: torch.cuda.CUDAGraph
     inputs: _Inputs  # rows: slots, counts
+    features: torch.Tensor  # [b * rows_per_request, F]: the prefix of CommitGraphs' shared rows
 
 
 class CommitGraphs:
@@ -197,10 +154,9 @@ class CommitGraphs:
     to its pool) per bucket of requests, T = bucket x `rows_per_request`.
 
     pad_slot: the slot padding requests name (with 0 rows). width, dtype: the rows' feature width
-    and the dtype the draft's fc reads (the static rows are held in it). Every bucket's graph, and
-    every step graph a commit rides in, reads a prefix of one static rows buffer of the largest
-    bucket (replays run one after another on one stream, so they never need two; a commit staged
-    is written before the next is staged).
+    and the dtype the draft's fc reads (the static rows are held in it). Every bucket's graph reads
+    a prefix of one static rows buffer of the largest bucket (replays run one after another on one
+    stream, so they never need two).
     """
 
     def __init__(
@@ -223,36 +179,21 @@ class CommitGraphs:
 
     def run(self, slots: list[int], counts: list[int], features_TF: torch.Tensor) -> None:
         """Commit request i's counts[i] rows, packed in features_TF [sum(counts), F] on the device,
-        into slots[i] (host lists, len >= 1; each count at most `rows_per_request`): `stage`, then
-        `replay`, with no host sync."""
-        self.stage(counts, features_TF)
-        self.replay(slots, counts)
-
-    def stage(self, counts: list[int], features_TF: torch.Tensor) -> None:
-        """Copy a commit's packed rows (counts[i] of request i, each at most `rows_per_request`, at
-        most the largest bucket's requests) into the static rows, for `replay` or a step graph to
-        write; RequestError (nothing copied) when they do not fit."""
+        into slots[i] (host lists, len >= 1; each count at most `rows_per_request`): the rows are
+        copied into the bucket's static rows and its graph replayed, with no host sync."""
         over = [c for c in counts if c > self.rows_per_request]
         if over:
             raise RequestError(
                 f"commit: {max(over)} rows for one request; a step commits at most {self.rows_per_request} "
                 "(the anchor and every draft)"
             )
-        bucket_for(self.buckets, len(counts))
-        self._rows[: features_TF.shape[0]].copy_(features_TF)
-
-    def replay(self, slots: list[int], counts: list[int]) -> None:
-        """Write the staged rows into slots[i] (counts[i] each, as staged) from their bucket's graph."""
         b = bucket_for(self.buckets, len(slots))
         captured = self._captured.get(b)
         if captured is None:
             captured = self._capture(b)
         captured.inputs.send([(slots, self.pad_slot), (counts, 0)])
+        captured.features[: features_TF.shape[0]].copy_(features_TF)
         captured.graph.replay()
-
-    def rows(self, b: int) -> torch.Tensor:
-        """The static rows a commit of bucket `b` reads: the first b x `rows_per_request`."""
-        return self._rows[: b * self.rows_per_request]
 
     def capture(self, b: int) -> None:
         """Capture bucket `b` now (start-up), unless it already is."""
@@ -263,7 +204,7 @@ class CommitGraphs:
         # all padding: the warm-up run below writes junk rows to the pad slot only
         inputs = _Inputs.of([[self.pad_slot] * b, [0] * b], self.device)
         ints = inputs.device
-        features = self.rows(b)
+        features = self._rows[: b * self.rows_per_request]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -273,6 +214,6 @@ class CommitGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             self.write(ints[0], ints[1], features)
         log.info("captured the draft context commit for %d requests", b)
-        captured = _CapturedCommit(graph, inputs)
+        captured = _CapturedCommit(graph, inputs, features)
         self._captured[b] = captured
         return captured

@@ -25,7 +25,7 @@ PHASES = (
     ("moe_dispatch", "draft MoE dispatch"),
     ("moe_experts", "draft MoE router + experts + shared"),
     ("moe_combine", "draft MoE combine"),
-    ("draft_step_graph", "draft step + commit (graph)"),
+    ("draft_step_graph", "draft step (graph)"),
     ("other", "other (host loop; a rank done before the slowest)"),
 )
 """Rows of the time split, in order: disjoint (`PhaseTimers` books a nested phase to itself only);
