@@ -11,7 +11,7 @@ device_log gpu-check
 for part in ${@:-tests bench run}; do
   echo "=== $part $(date -u +%FT%TZ)" | tee -a "$LOG"
   case $part in
-    tests) timeout 240 python3 -m pytest -q -p no:cacheprovider -rfs tests/gpu 2>&1 | tail -15 | tee -a "$LOG" ;;
+    tests) timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -rfs tests/gpu 2>&1 | tail -15 | tee -a "$LOG" ;;
     bench) timeout 200 python3 -m epdraft.cli bench kernel --json "$OUT/bench-kernel.jsonl" 2>&1 | tee -a "$LOG" ;;
     run)
       SET="--set cluster.nproc_per_node=1 --set draft.attn_dp=1 --set target.dp=1 --set target.tp=1 --set draft.moe_ep=1"
