@@ -42,6 +42,7 @@ imported, compiled or does not match, its column is `-` and one line says why.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 from collections.abc import Callable
@@ -286,6 +287,39 @@ def time_alternately_ms(fns, steps: int, warmup: int, before=None) -> list[float
             end.synchronize()
             out.append(start.elapsed_time(end))
     return [statistics.median(t) for t in times]
+
+
+@functools.cache
+def _sleep_cycles_per_ms() -> float:
+    """How many cycles of `torch.cuda._sleep` take a millisecond on this GPU (measured once)."""
+    torch.cuda._sleep(1000)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    end.synchronize()
+    return 1e6 / start.elapsed_time(end)
+
+
+def device_ms(fn, steps: int, before=None, *, head_start_ms: float = 3.0) -> float:
+    """Median ms (CUDA events) of `fn` on the device alone: each call is queued behind a sleep kernel
+    of about `head_start_ms`, so the host has launched all of it before the GPU reaches it. Against
+    `time_alternately_ms` (from an idle GPU, the host's launches included), the difference is the
+    host time the GPU waited for: an engine whose host runs ahead pays the device time only."""
+    cycles = int(head_start_ms * _sleep_cycles_per_ms())
+    times = []
+    for _ in range(steps):
+        if before is not None:
+            before()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def _time_ms(fn, steps: int, warmup: int) -> float:
