@@ -18,7 +18,10 @@ from epdraft.errors import ConfigError
 from epdraft.kernels import launch
 from epdraft.kernels.launch import next_pow2
 
-_MERGE_ROWS = 16  # rows per merge program: N * g programs alone leave most SMs idle at small N
+# Rows per merge program: N * g programs alone leave most SMs idle at small N. 4 against 16: the
+# split + merge 28.3 vs 30.3 µs at one request / 8k, 23.4 vs 25.2 at 8 / 1k, within 1 µs elsewhere
+# (H100, tools/attention_tune.py --merge-only; docs/performance.md, sixteenth session).
+_MERGE_ROWS = 4
 _FLAG_BLOCK = 4096
 _PLACEMENT_TILE = 8192  # rows x requests a placement program compares (row -> its request)
 # rows up to which `Router` takes `router_logits` at any expert count: on the H200 (docs/performance.md)
