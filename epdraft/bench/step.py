@@ -280,25 +280,25 @@ def time_alternately_ms(fns, steps: int, warmup: int, before=None) -> list[float
         for fn, out in zip(fns, times):
             if before is not None:
                 before()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end))
+            out.append(_event_ms(fn))
     return [statistics.median(t) for t in times]
+
+
+def _event_ms(fn) -> float:
+    """ms between CUDA events recorded before and after `fn` (waits for the second)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 @functools.cache
 def _sleep_cycles_per_ms() -> float:
     """How many cycles of `torch.cuda._sleep` take a millisecond on this GPU (measured once)."""
     torch.cuda._sleep(1000)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(1_000_000)
-    end.record()
-    end.synchronize()
-    return 1e6 / start.elapsed_time(end)
+    return 1e6 / _event_ms(lambda: torch.cuda._sleep(1_000_000))
 
 
 def device_ms(fn, steps: int, before=None, *, head_start_ms: float = 3.0) -> float:
@@ -313,12 +313,7 @@ def device_ms(fn, steps: int, before=None, *, head_start_ms: float = 3.0) -> flo
             before()
         torch.cuda.synchronize()
         torch.cuda._sleep(cycles)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(_event_ms(fn))
     return statistics.median(times)
 
 
