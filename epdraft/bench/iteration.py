@@ -101,8 +101,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"draft {label}: H {spec.hidden_size}, {spec.num_layers} layers, block {B}, commits 1..{R} rows per request, "
           f"bf16, {torch.cuda.get_device_name()}; floor at the {ceiling}")
     print(f"{'N':>5}{'context':>9}{'rows':>6}{'commit ms':>11}{'propose ms':>11}{'prop floor':>11}{'prop/floor':>11}"
-          f"{'graph ms':>10}{'device ms':>11}{'eager ms':>10}{'floor ms':>10}{'graph/floor':>12}{'op floor':>10}{'graph/op':>9}"
-          f"{'kernels':>9}{'busy ms':>9}")  # fmt: skip
+          f"{'graph ms':>10}{'device ms':>11}{'eager ms':>10}{'floor ms':>10}{'graph/floor':>12}{'op floor':>10}"
+          f"{'graph/op':>9}{'kernels':>9}{'busy ms':>9}")  # fmt: skip
     gen = torch.Generator(device=device).manual_seed(1)
     results, profiles = [], []
     for context in contexts:
