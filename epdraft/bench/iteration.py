@@ -8,9 +8,9 @@ random weights and a random context of exactly that length before every timed ca
 the timing), it times side by side (CUDA events, median of `--steps` after `--warmup`, alternating):
 `commit` and `propose` each replayed from their CUDA graphs, `graph` (the two back to back, what an
 engine's iteration costs under `draft.cuda_graphs`) and `eager` (the same two eagerly). Each starts
-from an idle GPU, so the host's launches are in it; `device ms` is the graph iteration again queued
-behind a sleep kernel (`bench.step.device_ms`): the device's time alone, what an engine whose host
-runs ahead of the GPU pays.
+from an idle GPU, so the host's launches are in it; `device ms` (and `prop dev`, the same of
+`propose`) is the graph iteration again queued behind a sleep kernel (`bench.step.device_ms`): the
+device's time alone, what an engine whose host runs ahead of the GPU pays.
 
 Floors are max(bytes / copy bandwidth, FLOPs / 700 TFLOP/s) from the shapes (the copy bandwidth
 measured on this kind of GPU, `bench.ceilings`): `propose floor` is `bench step`'s (the weights the
@@ -101,8 +101,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"draft {label}: H {spec.hidden_size}, {spec.num_layers} layers, block {B}, commits 1..{R} rows per request, "
           f"bf16, {torch.cuda.get_device_name()}; floor at the {ceiling}")
     print(f"{'N':>5}{'context':>9}{'rows':>6}{'commit ms':>11}{'propose ms':>11}{'prop floor':>11}{'prop/floor':>11}"
-          f"{'graph ms':>10}{'device ms':>11}{'eager ms':>10}{'floor ms':>10}{'graph/floor':>12}{'op floor':>10}"
-          f"{'graph/op':>9}{'kernels':>9}{'busy ms':>9}")  # fmt: skip
+          f"{'prop dev':>10}{'graph ms':>10}{'device ms':>11}{'eager ms':>10}{'floor ms':>10}{'graph/floor':>12}"
+          f"{'op floor':>10}{'graph/op':>9}{'kernels':>9}{'busy ms':>9}")  # fmt: skip
     gen = torch.Generator(device=device).manual_seed(1)
     results, profiles = [], []
     for context in contexts:
@@ -160,6 +160,7 @@ def main(args: argparse.Namespace) -> int:
                     [commit_graph, propose_graph, iteration_graph, iteration_eager], args.steps, args.warmup, before=reset
                 )  # fmt: skip
                 graph_device = device_ms(iteration_graph, args.steps, before=reset)
+                propose_device = device_ms(propose_graph, args.steps, before=reset)
                 reset()
                 counts, rows = outcomes[0]
                 padded = torch.zeros(n * R, width, dtype=pool.dtype, device=device)
@@ -178,16 +179,16 @@ def main(args: argparse.Namespace) -> int:
             op_floor = op_floor_seconds(costs, bytes_per_s) * 1e3
             propose_floor = whole_floor_seconds(propose_costs, bytes_per_s)[0] * 1e3
             row = dict(kind="iteration", preset=label, requests=n, context=context, rows_per_request=mean_rows / n,
-                       commit_graph_ms=commit, propose_graph_ms=propose, propose_floor_ms=propose_floor, graph_ms=graph,
-                       graph_device_ms=graph_device, eager_ms=eager, floor_ms=floor, op_floor_ms=op_floor,
-                       bytes=int(nbytes), flops=flops,
-                       experts_touched=touched, commit_kernels=kernels, commit_busy_ms=busy_us / 1e3,
-                       device=torch.cuda.get_device_name(), torch=torch.__version__)  # fmt: skip
+                       commit_graph_ms=commit, propose_graph_ms=propose, propose_floor_ms=propose_floor,
+                       propose_device_ms=propose_device, graph_ms=graph, graph_device_ms=graph_device, eager_ms=eager,
+                       floor_ms=floor, op_floor_ms=op_floor, bytes=int(nbytes), flops=flops, experts_touched=touched,
+                       commit_kernels=kernels, commit_busy_ms=busy_us / 1e3, device=torch.cuda.get_device_name(),
+                       torch=torch.__version__)  # fmt: skip
             results.append(row)
             print(f"{n:>5}{context:>9}{mean_rows / n:>6.1f}{commit:>11.3f}{propose:>11.3f}{propose_floor:>11.3f}"
-                  f"{propose / propose_floor:>11.2f}{graph:>10.3f}{graph_device:>11.3f}{eager:>10.3f}{floor:>10.3f}"
-                  f"{graph / floor:>12.2f}{op_floor:>10.3f}{graph / op_floor:>9.2f}{kernels:>9}"
-                  f"{busy_us / 1e3:>9.3f}")  # fmt: skip
+                  f"{propose / propose_floor:>11.2f}{propose_device:>10.3f}{graph:>10.3f}{graph_device:>11.3f}"
+                  f"{eager:>10.3f}{floor:>10.3f}{graph / floor:>12.2f}{op_floor:>10.3f}{graph / op_floor:>9.2f}"
+                  f"{kernels:>9}{busy_us / 1e3:>9.3f}")  # fmt: skip
             if args.profile:
                 profiles.append((n, context, busy_us, top))
         del step_graphs, commit_graphs, pool
