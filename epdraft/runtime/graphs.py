@@ -4,9 +4,11 @@ context, each captured as one CUDA graph per batch-size bucket, replayed every s
 A step's requests are padded to the smallest bucket >= the largest request count of any DP rank
 (read from the agreed StepPlan, so every rank, idle ranks included, replays a graph of the same
 shape and enters the same collectives). Padding rows use the pool's pad slot and are dropped.
-Inputs go through one pinned host buffer (written through a numpy view: a few microseconds of
-host time where torch's indexing costs tens) into static device buffers with one asynchronous
-copy: a replay never synchronizes the host. A bucket is captured the first time a step needs it, on every
+Inputs go through one pinned host buffer, written through a numpy view made once (a few
+microseconds of host time where torch's indexing costs tens); the graph's own first node copies it
+to the static device buffer and records an event the host waits on before the next write, so a
+replay is two host calls (that wait, usually already done, and the replay) and never waits for
+the step. A bucket is captured the first time a step needs it, on every
 rank at the same step; the MoE layers are captured with a plan whose counts are the bucket's, so
 their collectives have the bucket's fixed shapes. Each readout (`Readout`: argmax, sampled,
 sampled with top-k / top-p) has its own graph per bucket: an all-greedy step keeps the argmax one.
@@ -22,6 +24,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from epdraft.dispatch import StepPlan
@@ -48,27 +51,33 @@ def bucket_for(buckets: tuple[int, ...], num_requests: int) -> int:
 
 @dataclasses.dataclass
 class _Inputs:
-    """A graph's integer inputs: rows of a pinned host buffer, their numpy view (what the host
-    writes) and the static device copy the graph reads; `copied` is recorded after each copy."""
+    """A graph's integer inputs: rows of a pinned host buffer, the numpy view the host writes them
+    through, and the static device copy the graph reads. The copy is the graph's first node
+    (`copy_in`, called inside the capture); `copied` is an external event the graph records after
+    it, so each replay records it too."""
 
     host: torch.Tensor
+    view: np.ndarray
     device: torch.Tensor
-    copied: torch.cuda.Event = dataclasses.field(default_factory=torch.cuda.Event)
+    copied: torch.cuda.Event
 
     @classmethod
     def of(cls, rows: list[list[int]], device: torch.device) -> _Inputs:
         host = torch.tensor(rows, dtype=torch.long).pin_memory()
-        inputs = cls(host, host.to(device, non_blocking=True))
-        inputs.copied.record()  # the copy above reads the pinned buffer that `send` refills next
+        inputs = cls(host, host.numpy(), host.to(device, non_blocking=True), torch.cuda.Event(external=True))
+        inputs.copied.record()  # the copy above reads the buffer the first `write` refills
         return inputs
 
-    def send(self, rows: list[tuple[list[int], int]]) -> None:
-        """Row i := rows[i] = (values, filler for the rest), then one asynchronous copy to the device."""
-        self.copied.synchronize()  # the last copy has read the pinned buffer
-        view = self.host.numpy()
+    def write(self, rows: list[tuple[list[int], int]]) -> None:
+        """Row i := rows[i] = (values, filler for the rest), once the last replay's copy has read them."""
+        self.copied.synchronize()
+        view = self.view
         for i, (values, filler) in enumerate(rows):
             view[i, : len(values)] = values
             view[i, len(values) :] = filler
+
+    def copy_in(self) -> None:
+        """The host rows to the device, then `copied`: recorded into the graph being captured."""
         self.device.copy_(self.host, non_blocking=True)
         self.copied.record()
 
@@ -78,6 +87,13 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: _Inputs  # rows: slots, anchors
     output: DraftStep
+    firsts: dict[int, DraftStep] = dataclasses.field(default_factory=dict)  # output.first(n), made once per n
+
+    def first(self, n: int) -> DraftStep:
+        view = self.firsts.get(n)
+        if view is None:
+            view = self.firsts[n] = self.output.first(n)
+        return view
 
 
 class StepGraphs:
@@ -118,9 +134,9 @@ class StepGraphs:
         captured = self._captured.get((b, readout))
         if captured is None:
             captured = self._capture(b, readout, plan, slots, anchors)
-        captured.inputs.send([(slots, self.pad_slot), (anchors, 0)])
+        captured.inputs.write([(slots, self.pad_slot), (anchors, 0)])
         captured.graph.replay()
-        return captured.output.first(len(slots))
+        return captured.first(len(slots))
 
     def _capture(self, b: int, readout: Readout, plan: StepPlan, slots: list[int], anchors: list[int]) -> _Captured:
         bucket_plan = StepPlan(step=plan.step, ranks=plan.ranks, counts=(b * self.block_size,) * len(plan.ranks))
@@ -135,6 +151,7 @@ class StepGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
+            inputs.copy_in()
             output = self.step(slots_d, anchors_d, bucket_plan, readout)
         log.info("captured the draft step (%s readout) for %d requests (bucket %d)", readout.value, len(slots), b)
         captured = _Captured(graph, inputs, output)
@@ -191,7 +208,7 @@ class CommitGraphs:
         captured = self._captured.get(b)
         if captured is None:
             captured = self._capture(b)
-        captured.inputs.send([(slots, self.pad_slot), (counts, 0)])
+        captured.inputs.write([(slots, self.pad_slot), (counts, 0)])
         captured.features[: features_TF.shape[0]].copy_(features_TF)
         captured.graph.replay()
 
@@ -212,6 +229,7 @@ class CommitGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
+            inputs.copy_in()
             self.write(ints[0], ints[1], features)
         log.info("captured the draft context commit for %d requests", b)
         captured = _CapturedCommit(graph, inputs, features)
