@@ -16,7 +16,8 @@ without it (both GEMMs and the top-k sum on a precomputed routing setup), the pa
 kernel-only timings of other fused-MoE kernels. `--shapes V41F --weights bf16,mxfp4` is DeepSeek-V4.1-Flash's
 draft experts (FP4 as released, held as the kernels' mxfp4) against bf16. Bytes moved = distinct experts hit x 3*I*H*itemsize + x read + y written; the roofline is
 the copy bandwidth measured on this kind of GPU (`bench.ceilings`: 4.3 TB/s on an H200, 3.0 on an H100). With `--tune`, the listed shapes are
-tuned first and their tables written to `--config-dir`, which the benchmark then reads.
+tuned first and their tables written to `--config-dir`, which the benchmark then reads. `--skew 0.75`
+tunes and times on routing that crowds a few experts, as a draft step's mask rows do (`random_routing`).
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "shift decode), mxfp4-bits, mxfp4-shift, mxfp4-dot-scaled (one MXFP4 decode each)")
     parser.add_argument("--tune-weights", default="", help="formats --tune tunes (default: those of --weights; "
                         "at most one MXFP4 name: the tuned table is per format)")
+    parser.add_argument("--skew", type=float, default=1.0,
+                        help="routing of the tuning and timing: expert popularity SKEW^rank (1: uniform; issue 13's "
+                             "draft step routes like ~0.75, its mask rows crowding a few experts)")
     parser.add_argument("--json", type=Path, default=None, help="append one JSON line per (shape, T) here")
 
 
@@ -120,9 +124,11 @@ def grouped_mm_experts(x_TH, ids_TK, weights_TK, w13_eNH, w2_eHF, act: Activatio
 
 
 def _bench_one(name: str, num_tokens: int, weights: tuple[ExpertWeights, ExpertWeights], dtype: torch.dtype,
-               config_dir: Path, bf16: tuple[torch.Tensor, torch.Tensor] | None, upcast: str = MXFP4_UPCAST) -> dict:
+               config_dir: Path, bf16: tuple[torch.Tensor, torch.Tensor] | None, upcast: str = MXFP4_UPCAST,
+               skew: float = 1.0) -> dict:  # fmt: skip
     """One (shape, T, format) row. `bf16` holds the format's dequantized weights for the reference;
-    None for bf16 rows, which also time grouped_mm and the reference loop. `upcast`: MXFP4's."""
+    None for bf16 rows, which also time grouped_mm and the reference loop. `upcast`: MXFP4's;
+    `skew`: the routing's (`random_routing`)."""
     from triton.testing import do_bench
 
     from epdraft.kernels.experts.align import align_pairs
@@ -134,7 +140,7 @@ def _bench_one(name: str, num_tokens: int, weights: tuple[ExpertWeights, ExpertW
     device = w13.values.device
     gen = torch.Generator(device=device).manual_seed(num_tokens)
     x = torch.randn(num_tokens, H, device=device, generator=gen).to(dtype)
-    ids, topk_w = random_routing(num_tokens, E, K, device, gen)
+    ids, topk_w = random_routing(num_tokens, E, K, device, gen, skew)
     act = ActivationSpec()
     config = get_config(E, 2 * I, H, dtype, num_tokens, K, torch.cuda.get_device_name(device), config_dir, fmt)
     if fmt != "bf16":
@@ -211,6 +217,8 @@ def _print_row(row: dict, bf16_us: float | None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if not 0 < args.skew <= 1:
+        raise ConfigError(f"--skew {args.skew}: the expert popularity ratio must be in (0, 1] (1: uniform routing)")
     import triton
 
     if not torch.cuda.is_available():
@@ -229,7 +237,7 @@ def main(args: argparse.Namespace) -> int:
     for name in _parse_shapes(args.tune):
         E, I, H, K = SHAPES[name]
         for fmt, upcast, packing in tuned:
-            table = tune(E, I, H, K, dtype, tokens, fmt, upcast, packing)
+            table = tune(E, I, H, K, dtype, tokens, fmt, upcast, packing, args.skew)
             path = args.config_dir / config_file_name(E, 2 * I, H, dtype, device_name, fmt)
             save_table(table, path)
             log.info("tuned shape %s (%s weights) -> %s", name, fmt, path)
@@ -258,7 +266,8 @@ def main(args: argparse.Namespace) -> int:
             if packing == "shift":
                 q13, q2 = q13.shift_packed(), q2.shift_packed()
             for num_tokens in tokens:
-                row = {**meta, **_bench_one(name, num_tokens, (q13, q2), dtype, args.config_dir, reference, upcast)}
+                row = {**meta, "skew": args.skew,
+                       **_bench_one(name, num_tokens, (q13, q2), dtype, args.config_dir, reference, upcast, args.skew)}
                 rows.append(row)
                 if args.json is not None:  # row by row: a run cut short keeps what it measured
                     with args.json.open("a") as f:

@@ -1,8 +1,11 @@
-"""The fused experts' tuner: its candidates fit the chip and its search order (CPU only)."""
+"""The fused experts' tuner: its candidates fit the chip, its search order, its random routing (CPU only)."""
 
 from __future__ import annotations
 
+import torch
+
 from epdraft.bench import tune
+from epdraft.cli import main
 from epdraft.kernels.experts.tables import UpConfig
 
 
@@ -58,3 +61,30 @@ def test_best_order_tries_program_orders_then_tma_on_the_best():
     best, us = tune._best_order(base, time_us, 10.0)
     assert timed == [(1, False), (4, False), (1, True)]
     assert (best.group_m, best.weight_tma, us) == (1, True, 8.0)
+
+
+def test_uniform_routing_draws_distinct_experts_evenly():
+    gen = torch.Generator().manual_seed(0)
+    ids, weights = tune.random_routing(100_000, 8, 2, torch.device("cpu"), gen)
+    assert ids.shape == weights.shape == (100_000, 2)
+    assert bool((ids[:, 0] != ids[:, 1]).all())
+    share = torch.bincount(ids.view(-1), minlength=8) / ids.numel()
+    assert torch.allclose(share, torch.full((8,), 1 / 8), atol=0.005)
+    assert torch.allclose(weights.sum(-1), torch.ones(100_000))
+
+
+def test_skewed_routing_follows_the_popularity_ratio():
+    """skew^rank popularity over a random expert order: a token's one expert is drawn in proportion to
+    it exactly (Gumbel max), so the sorted shares are 8 / 4 / 2 / 1 of 15 at skew 0.5 over 4 experts."""
+    gen = torch.Generator().manual_seed(1)
+    ids, _ = tune.random_routing(200_000, 4, 1, torch.device("cpu"), gen, skew=0.5)
+    share = torch.bincount(ids.view(-1), minlength=4).sort(descending=True).values / ids.numel()
+    assert torch.allclose(share, torch.tensor([8, 4, 2, 1]) / 15, atol=0.005)
+    ids, _ = tune.random_routing(10_000, 8, 3, torch.device("cpu"), gen, skew=0.75)
+    assert all(len(set(row)) == 3 for row in ids.tolist())
+
+
+def test_bench_kernel_refuses_a_skew_outside_0_to_1(capsys):
+    for skew in ("0", "1.5", "-0.5"):
+        assert main(["bench", "kernel", "--skew", skew]) == 2
+        assert f"--skew {float(skew)}: the expert popularity ratio must be in (0, 1]" in capsys.readouterr().err
