@@ -152,13 +152,16 @@ class DFlashLayer(nn.Module):
         slots_N: torch.Tensor,
         plan: StepPlan | None,
         input_ids_NQ: torch.Tensor,
+        ends_N: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`forward` with the context read in place from `pool` (see DFlashAttention.forward_pooled)."""
+        """`forward` with the context read in place from `pool` (see DFlashAttention.forward_pooled;
+        ends_N, each request's last position + 1, computed once a step rather than once a layer)."""
         attn = None
         if x_NQH.shape[0]:
             attn = self.self_attn.forward_pooled(
-                self.input_layernorm(x_NQH), positions_NQ, pool.k[layer_id], pool.v[layer_id], slots_N, self.window
-            )
+                self.input_layernorm(x_NQH), positions_NQ, pool.k[layer_id], pool.v[layer_id], slots_N, self.window,
+                ends_N,
+            )  # fmt: skip
         return self._ffn(x_NQH, attn, plan, input_ids_NQ)
 
 
@@ -297,16 +300,17 @@ class DFlashDraft(nn.Module):
         B, device = self.spec.block_size, self.device
         ids_NB, x = self.embed_blocks(anchors_N, heads)
         positions_NB = pool.lengths[slots_N].long().unsqueeze(1) + torch.arange(B, device=device)
+        ends_N = positions_NB[:, -1] + 1  # every layer's attention end: one launch a step, not one a layer
         nonfinite_L = torch.zeros(self.spec.num_layers, dtype=torch.int32, device=device)
         for i, layer in enumerate(self.layers):
-            x = layer.forward_pooled(x, positions_NB, pool, i, slots_N, plan, ids_NB)
+            x = layer.forward_pooled(x, positions_NB, pool, i, slots_N, plan, ids_NB, ends_N)
             if self.kernels.step_ops == "triton":
                 flag_nonfinite(x, nonfinite_L[i : i + 1])
             else:
                 nonfinite_L[i] = ~torch.isfinite(x).all()
         sampling = None
         if readout is not Readout.ARGMAX:
-            first_N = pool.lengths[slots_N].long() + 1  # the sequence position of each request's first draft
+            first_N = positions_NB[:, 0] + 1  # the sequence position of each request's first draft
             sampling = SampledReadout(pool.sampling_of(slots_N, readout), first_N)
         drafts_NK, confidence_NK, probs_NKV = self.read_out(self.draft_rows(self.norm(x)), anchors_N, heads, sampling)
         return DraftStep(drafts_NK, nonfinite_L == 0, confidence_NK, probs_NKV)
