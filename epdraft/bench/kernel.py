@@ -246,6 +246,7 @@ def main(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": datetime.date.today().isoformat(),
+        "skew": args.skew,
     }
     rows = []
     header = f"{'shape':>5} {'T':>5} {'weights':>16} {'fused us':>9} {'align us':>8} {'gemms us':>8} {'gmm us':>8}"
@@ -266,8 +267,8 @@ def main(args: argparse.Namespace) -> int:
             if packing == "shift":
                 q13, q2 = q13.shift_packed(), q2.shift_packed()
             for num_tokens in tokens:
-                row = {**meta, "skew": args.skew,
-                       **_bench_one(name, num_tokens, (q13, q2), dtype, args.config_dir, reference, upcast, args.skew)}
+                row = {**meta, **_bench_one(name, num_tokens, (q13, q2), dtype, args.config_dir, reference, upcast,
+                                            args.skew)}  # fmt: skip
                 rows.append(row)
                 if args.json is not None:  # row by row: a run cut short keeps what it measured
                     with args.json.open("a") as f:
