@@ -24,7 +24,7 @@ from torch import nn
 from epdraft.dispatch import Dispatcher, StepPlan
 from epdraft.errors import ConfigError, NonFiniteError
 from epdraft.kernels.sample.argmax import argmax_rows
-from epdraft.kernels.step.ops import flag_nonfinite
+from epdraft.kernels.step.ops import flag_nonfinite, step_blocks
 from epdraft.layers.build import build_ffn
 from epdraft.layers.step_kernels import StepKernels
 from epdraft.layers.mlp import DraftMLP
@@ -297,11 +297,8 @@ class DFlashDraft(nn.Module):
         take the argmax; `pool.readout(ids)` says which) and the proposal distributions come back
         in `DraftStep.probs_NKV`.
         """
-        B, device = self.spec.block_size, self.device
-        ids_NB, x = self.embed_blocks(anchors_N, heads)
-        positions_NB = pool.lengths[slots_N].long().unsqueeze(1) + torch.arange(B, device=device)
-        ends_N = positions_NB[:, -1] + 1  # every layer's attention end: one launch a step, not one a layer
-        nonfinite_L = torch.zeros(self.spec.num_layers, dtype=torch.int32, device=device)
+        ids_NB, positions_NB, ends_N, nonfinite_L = self.block_inputs(anchors_N, slots_N, pool.lengths)
+        x = heads.embed(ids_NB).to(self.fc.weight.dtype)
         for i, layer in enumerate(self.layers):
             x = layer.forward_pooled(x, positions_NB, pool, i, slots_N, plan, ids_NB, ends_N)
             if self.kernels.step_ops == "triton":
@@ -341,6 +338,21 @@ class DFlashDraft(nn.Module):
             mask = allowed_NQS if layer.window is None else sliding_allowed_NQS
             x = layer(x, positions_NQ, k, v, mask, input_ids_NQ=input_ids_NQ)
         return self.norm(x)
+
+    def block_inputs(
+        self, anchors_N: torch.Tensor, slots_N: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a step's layers read besides the embeddings: the blocks' ids [N, B] (anchor, then MASK),
+        their positions lengths[slots_N] + [0, B), each request's attention end (its last position + 1,
+        made once a step rather than once a layer) and the L layers' non-finite flags zeroed. One
+        launch with the Triton step ops (`step_ops.step_blocks`), a short torch chain without."""
+        B, L = self.spec.block_size, self.spec.num_layers
+        if self.kernels.step_ops == "triton":
+            return step_blocks(anchors_N, slots_N, lengths, self.spec.mask_token_id, B, L)
+        ids_NB = torch.full((anchors_N.shape[0], B), self.spec.mask_token_id, dtype=torch.long, device=self.device)
+        ids_NB[:, 0] = anchors_N.to(self.device)
+        positions_NB = lengths[slots_N].long().unsqueeze(1) + torch.arange(B, device=self.device)
+        return ids_NB, positions_NB, positions_NB[:, -1] + 1, torch.zeros(L, dtype=torch.int32, device=self.device)
 
     def embed_blocks(self, anchors_N: torch.Tensor, heads: TargetHeads) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks [anchor, MASK x (B-1)]: ids [N, B] and their target embeddings [N, B, H]."""

@@ -8,11 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from epdraft.bench.step import preset_config
 from epdraft.config.ffn import ActivationSpec, RouterSpec
 from epdraft.kernels.step import ops as step_ops, skinny
 from epdraft.layers.activations import gated_act
 from epdraft.layers.router import Router
 from epdraft.layers.routing import route, score
+from epdraft.layers.step_kernels import StepKernels
+from epdraft.models import DFlashDraft, DraftModelSpec
 from epdraft.models.attention import DFlashAttention, RMSNorm, apply_rope, rope_cos_sin
 
 pytestmark = pytest.mark.gpu
@@ -369,3 +372,24 @@ def test_placement_launch_equals_the_pools_torch_chain(N, per_request, keep_rows
     want = KVPool.placement(pool, slots_N, counts_N, rows)
     got = step_ops.placement(slots_N, counts_N, lengths, rows, pad_slot, keep_rows)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("N,B,L", [(1, 16, 5), (3, 5, 3), (8, 16, 5), (33, 7, 1), (0, 16, 5)])
+def test_step_blocks_launch_equals_the_steps_torch_chain(N, B, L):
+    """`DFlashDraft.block_inputs` with the Triton step ops (`step_ops.step_blocks`, one launch) against
+    the same draft's torch chain (the CPU path's): the blocks' ids, positions and attention ends, the
+    flags zeroed (over junk)."""
+    config = preset_config(dict(hidden=256, heads=2, kv_heads=1, layers=L, experts=4, moe_intermediate=64,
+                                top_k=2, vocab=32000, block_size=B))  # fmt: skip
+    spec = DraftModelSpec.from_config(config)
+    launched, chained = (DFlashDraft(spec, device="cuda", kernels=StepKernels(step_ops=ops))
+                         for ops in ("triton", "torch"))  # fmt: skip
+    gen = torch.Generator().manual_seed(N * 7 + B)
+    lengths = torch.randint(0, 9000, (N + 5,), generator=gen, dtype=torch.int32).cuda()
+    slots_N = torch.randperm(N + 5, generator=gen)[:N].cuda()
+    anchors_N = torch.randint(0, 32000, (N,), generator=gen).cuda()
+    torch.full((1 << 16,), -7, dtype=torch.int32, device="cuda")  # junk in the allocator's next blocks
+    got = launched.block_inputs(anchors_N, slots_N, lengths)
+    want = chained.block_inputs(anchors_N, slots_N, lengths)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w)

@@ -372,3 +372,26 @@ def placement_kernel(
     pos = tl.load(lengths_ptr + slot, mask=live & (t < rows), other=0).to(tl.int64) + j
     tl.store(slot_out_ptr + t, tl.where(live, slot, pad_slot), mask=t < rows)
     tl.store(pos_out_ptr + t, tl.where(live, pos, 0), mask=t < rows)
+
+
+@triton.jit
+def step_blocks_kernel(
+    anchors_ptr, slots_ptr, lengths_ptr, ids_ptr, pos_ptr, ends_ptr, nonfinite_ptr,
+    L, mask_id,
+    B: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Request n's block [anchor, MASK x (B-1)], its positions lengths[slots[n]] + [0, B) and its
+    attention end lengths[slots[n]] + B; program 0 also zeroes the L layer flags."""
+    enter(PDL)
+    n = tl.program_id(0)
+    if n == 0:
+        layers = tl.arange(0, BLOCK_L)
+        tl.store(nonfinite_ptr + layers, tl.zeros((BLOCK_L,), tl.int32), mask=layers < L)
+    j = tl.arange(0, BLOCK_B)
+    ok = j < B
+    anchor = tl.load(anchors_ptr + n).to(tl.int64)
+    start = tl.load(lengths_ptr + tl.load(slots_ptr + n)).to(tl.int64)
+    tl.store(ids_ptr + n * B + j, tl.where(j == 0, anchor, mask_id).to(tl.int64), mask=ok)
+    tl.store(pos_ptr + n * B + j, start + j, mask=ok)
+    tl.store(ends_ptr + n, start + B)

@@ -351,6 +351,32 @@ def placement(
     return slot_T, position_T
 
 
+def step_blocks(
+    anchors_N: torch.Tensor, slots_N: torch.Tensor, lengths: torch.Tensor, mask_token_id: int, block_size: int,
+    num_layers: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids_NB, positions_NB, ends_N, nonfinite_L) of a draft step in one launch, as the torch chain
+    of `DFlashDraft.step` (~8 small launches there) computes them: request n's block [anchors_N[n],
+    mask x (B-1)] int64, its positions lengths[slots_N[n]] + [0, B) int64, its attention end (the
+    last position + 1) and the L layer flags int32 zeroed. N = 0 (an idle rank's eager step)
+    launches nothing but the flags' zeroing."""
+    from epdraft.kernels.step._step_triton import step_blocks_kernel
+
+    N, B, device = anchors_N.shape[0], block_size, anchors_N.device
+    ids_NB = torch.empty(N, B, dtype=torch.long, device=device)
+    positions_NB = torch.empty(N, B, dtype=torch.long, device=device)
+    ends_N = torch.empty(N, dtype=torch.long, device=device)
+    if N == 0:
+        return ids_NB, positions_NB, ends_N, torch.zeros(num_layers, dtype=torch.int32, device=device)
+    nonfinite_L = torch.empty(num_layers, dtype=torch.int32, device=device)
+    step_blocks_kernel[(N,)](
+        anchors_N, slots_N, lengths, ids_NB, positions_NB, ends_N, nonfinite_L, num_layers, mask_token_id,
+        B=B, BLOCK_B=max(2, next_pow2(B)), BLOCK_L=max(2, next_pow2(num_layers)), num_warps=1,
+        **launch.kwargs(device),
+    )  # fmt: skip
+    return ids_NB, positions_NB, ends_N, nonfinite_L
+
+
 def ffn_residual(
     residual_TH: torch.Tensor | None,
     y_TH: torch.Tensor | None,
