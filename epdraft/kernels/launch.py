@@ -63,6 +63,14 @@ def pdl_off() -> Iterator[None]:
         _enabled = before
 
 
+@functools.lru_cache(maxsize=None)
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one second stream of `device` that work forks onto beside the current stream (an MoE
+    layer's shared expert): each fork waits on the current stream first and is joined back before
+    its output is read, so a graph captures it as a parallel branch."""
+    return torch.cuda.Stream(device)
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (Triton tile and grid sizes)."""
     return 1 << max(0, (n - 1).bit_length())
