@@ -64,11 +64,28 @@ def pdl_off() -> Iterator[None]:
 
 
 @functools.lru_cache(maxsize=None)
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The one second stream of `device` that work forks onto beside the current stream (an MoE
-    layer's shared expert): each fork waits on the current stream first and is joined back before
-    its output is read, so a graph captures it as a parallel branch."""
+def _second_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
+
+
+class Fork:
+    """Work run beside the current stream of `device` on its one second stream: the fork waits on
+    the current stream (so the side reads what was written before it), `side()` is the context the
+    forked work is launched in, `join()` makes the current stream wait for it. A CUDA graph captures
+    the two as parallel branches.
+
+    The caller keeps every tensor the side reads or writes referenced until after `join()`; the
+    side's own temporaries return to its pool, which the next fork reuses only after its wait."""
+
+    def __init__(self, device: torch.device):
+        self.main, self.other = torch.cuda.current_stream(device), _second_stream(device)
+        self.other.wait_stream(self.main)
+
+    def side(self) -> torch.cuda.StreamContext:
+        return torch.cuda.stream(self.other)
+
+    def join(self) -> None:
+        self.main.wait_stream(self.other)
 
 
 def next_pow2(n: int) -> int:

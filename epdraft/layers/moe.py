@@ -11,7 +11,7 @@ from epdraft.config.ffn import DraftMoeFFNSpec
 from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.config.quant import QuantSpec
 from epdraft.dispatch import Dispatcher, MoeLayout, ReplicatedDispatcher, StepPlan
-from epdraft.kernels.launch import side_stream
+from epdraft.kernels.launch import Fork
 from epdraft.kernels.step.ops import ffn_residual
 from epdraft.layers.mlp import DraftMLP
 from epdraft.layers.routed_experts import RoutedExperts
@@ -26,7 +26,7 @@ class DraftMoE(nn.Module):
     Submodules (canonical loader names): `router` (fp32 `weight [E, H]`, `bias [E]`), `experts`
     (`w13 [e, 2F, H]`, `w2 [e, H, F]`, `b13`, `b2`), `shared` (DraftMLP of width S with an optional
     `output_gate`) when the spec has a shared expert. The shared expert is replicated: it runs on
-    this rank's own tokens, outside the collectives (with `kernels.shared_stream`, on a second CUDA
+    this rank's own tokens, outside the collectives (with `kernels.side_stream`, on a second CUDA
     stream beside them). `kernels`: the rank's resolved compute (None:
     resolved for `device`, `dtype` and this layer); its `quantized_experts` keeps a quantized
     checkpoint's experts quantized for the fused kernels, else they are dequantized at load.
@@ -109,20 +109,16 @@ class DraftMoE(nn.Module):
         T = 0 still routes, dispatches and combines: every rank of the MoE group enters every
         collective of every layer, or the ranks with tokens hang.
         """
-        main = side = None
-        if self.shared is not None and self.kernels.shared_stream:
-            main, side = torch.cuda.current_stream(x_TH.device), side_stream(x_TH.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
+        fork = Fork(x_TH.device) if self.shared is not None and self.kernels.side_stream else None
+        if fork is not None:
+            with fork.side():
                 shared_TH = self.shared.ungated(x_TH)
         ids_TK, weights_TK = self.router(x_TH, input_ids_T)
         dispatcher = self.dispatcher
         handle = dispatcher.dispatch(x_TH, ids_TK, weights_TK, plan)
         y_TH = dispatcher.combine(self.experts(handle.rows_RH, handle.ids_RK, handle.weights_RK), handle)
-        if side is not None:
-            # joined before shared_TH is read; x_TH and shared_TH stay referenced past the join, and
-            # every fork waits on `main` first, so the side stream's blocks are reused in stream order
-            main.wait_stream(side)
+        if fork is not None:
+            fork.join()  # x_TH and shared_TH stay referenced past it
         else:
             shared_TH = self.shared.ungated(x_TH) if self.shared is not None else None
         if self.kernels.step_ops == "triton" and shared_TH is not None:

@@ -26,10 +26,11 @@ family (`epdraft.kernels`).
     sampling           "triton": the argmax readout in two launches (`kernels.sample.argmax`), a
                        sampled readout without top-k / top-p in one (`kernels.sample.propose`);
                        "torch": torch's argmax and `epdraft.sampling`'s tensor ops
-    shared_stream      an MoE layer's shared expert runs on a second CUDA stream (`launch.side_stream`)
-                       beside its router, dispatch and routed experts, joined before the output add:
-                       on CUDA (its weights stream while the router's small launches run, and at
-                       hundreds of rows its FLOP-bound GEMMs overlap the byte-bound experts)
+    side_stream        independent work runs on a second CUDA stream (`launch.Fork`): an MoE layer's
+                       shared expert beside its router, dispatch and routed experts (its weights
+                       stream while the router's small launches run; at hundreds of rows its
+                       FLOP-bound GEMMs overlap the byte-bound experts), a commit's odd layers' K/V
+                       beside the even ones'; on CUDA
     graphs             the step replays from CUDA graphs (`runtime.graphs`)
 
 Adding a kernel family: docs/compute-kernels.md. The Triton paths have no backward: a draft
@@ -83,7 +84,7 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
     experts: Literal["fused", "reference"] = "reference"
     quantized_experts: bool = False
     sampling: Literal["triton", "torch"] = "torch"
-    shared_stream: bool = False
+    side_stream: bool = False
     graphs: bool = False
     reasons: tuple[str, ...] = ()
     dequantized: str | None = None
@@ -142,7 +143,7 @@ class StepKernels(msgspec.Struct, frozen=True, kw_only=True):
         kernels = cls(
             **{op: slow if why[op] is not None else fast for op, (fast, slow, _) in FAMILIES.items()},
             quantized_experts=quantized_why is None,
-            shared_stream=device_type == "cuda",
+            side_stream=device_type == "cuda",
             graphs=graphs,
             reasons=tuple(shown) if device_type == "cuda" else (),
             dequantized=dequantized,

@@ -13,6 +13,7 @@ mask). `epdraft.models.reference` runs the same layers over per-request caches: 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from torch import nn
 
 from epdraft.dispatch import Dispatcher, StepPlan
 from epdraft.errors import ConfigError, NonFiniteError
+from epdraft.kernels.launch import Fork
 from epdraft.kernels.sample.argmax import argmax_rows
 from epdraft.kernels.step.ops import flag_nonfinite, step_blocks
 from epdraft.layers.build import build_ffn
@@ -261,8 +263,16 @@ class DFlashDraft(nn.Module):
         slot_T, position_T = pool.placement(slots_N, counts_N, features_TF.shape[0], triton=triton)
         hidden_TH = self.fuse_features(features_TF)
         if self.kernels.step_ops == "triton":
+            # every layer's K/V reads the same rows: odd layers' on the side stream beside the even
+            # ones', forked after layer 0, which made the rotary table all of them read (`rope_table`)
+            fork = None
             for layer_id, layer in enumerate(self.layers):
-                layer.self_attn.store_context(hidden_TH, position_T, slot_T, pool.k[layer_id], pool.v[layer_id])
+                if layer_id == 1 and self.kernels.side_stream:
+                    fork = Fork(hidden_TH.device)
+                with fork.side() if fork is not None and layer_id % 2 else contextlib.nullcontext():
+                    layer.self_attn.store_context(hidden_TH, position_T, slot_T, pool.k[layer_id], pool.v[layer_id])
+            if fork is not None:
+                fork.join()  # hidden_TH, position_T and slot_T stay referenced past it
         else:
             attn = self.layers[0].self_attn  # every layer rotates alike: one rotary table for all
             rope = rope_cos_sin(position_T.unsqueeze(0), attn.head_dim, attn.rope_theta)

@@ -101,6 +101,51 @@ def test_triton_write_context_equals_the_torch_chain():
         torch.testing.assert_close(got[:3].float(), want[:3].float(), rtol=2**-7, atol=1e-2)
 
 
+@torch.no_grad()
+def test_commit_with_odd_layers_on_the_side_stream_equals_it_in_line():
+    """`kernels.side_stream`'s commit (odd layers' K/V forked onto `launch.Fork`'s second stream)
+    writes the in-line commit's bits, with its rows written on the main stream behind a sleep (a
+    fork that did not wait would read them stale) and the side stream held busy by a sleep before
+    (without the join the odd layers' writes would still be pending when the next commit or the
+    comparison reads the pool)."""
+    import msgspec
+
+    from epdraft.kernels.launch import Fork
+
+    draft = _draft()[1]
+    assert draft.kernels.side_stream and draft.kernels.step_ops == "triton" and len(draft.layers) > 1
+    spec, R = draft.spec, draft.num_drafts + 1
+    width = spec.num_target_features * spec.hidden_size
+    pools = [draft.new_pool(max_requests=4, max_context=200) for _ in range(2)]
+    for pool in pools:
+        for rid in range(3):
+            pool.admit(rid)
+    slots, counts = torch.tensor([0, 1, 2, 4], device="cuda"), torch.tensor([R, 1, 5, 0], device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    rows = [torch.randn(4 * R, width, generator=gen, device="cuda").bfloat16() for _ in range(3)]
+    static = torch.empty_like(rows[0])
+    side = Fork(torch.device("cuda")).other
+    for r in rows:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000)
+        torch.cuda._sleep(2_000_000)
+        static.copy_(r)
+        draft.write_context(pools[0], slots, counts, static)
+    in_line = msgspec.structs.replace(draft.kernels, side_stream=False)
+    saved = [(m, m.kernels) for m in draft.modules() if hasattr(m, "kernels")]
+    try:
+        for m, _ in saved:
+            m.kernels = in_line
+        for r in rows:
+            draft.write_context(pools[1], slots, counts, r)
+    finally:
+        for m, kernels in saved:
+            m.kernels = kernels
+    assert torch.equal(pools[0].lengths, pools[1].lengths)
+    for got, want in zip(pools[0].buffers, pools[1].buffers, strict=True):
+        assert torch.equal(got[:3], want[:3])
+
+
 def _iteration_without_sync(rank: int, world: int) -> dict:
     import torch.distributed as dist
 

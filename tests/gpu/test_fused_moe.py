@@ -323,22 +323,22 @@ def test_cuda_graph_draft_moe_equals_eager(monkeypatch):
 
 @pytest.mark.parametrize("T", [1, 16, 128, 512])
 def test_shared_expert_on_the_side_stream_equals_it_in_line(T):
-    """`kernels.shared_stream` (the shared expert forked onto `launch.side_stream`) gives the in-line
+    """`kernels.side_stream` (the shared expert forked onto `launch.Fork`'s second stream) gives the in-line
     layer's bits, eager and replayed from a graph, with the input written on the main stream behind a
     sleep (a fork that did not wait would read it stale) and the side stream held busy by a sleep
     before the layer (a join that did not wait would add the shared expert before it is written)."""
     import msgspec
 
     from epdraft.config.ffn import DraftMoeFFNSpec
-    from epdraft.kernels.launch import side_stream
+    from epdraft.kernels.launch import Fork
     from epdraft.layers.moe import DraftMoE
 
     spec = DraftMoeFFNSpec(router=RouterSpec(num_experts=8, top_k=2), intermediate_size=INTER,
                            shared_intermediate_size=256, shared_gate=True)  # fmt: skip
     forked = DraftMoE(spec, H, dtype=torch.bfloat16, device="cuda")
-    assert forked.kernels.shared_stream
+    assert forked.kernels.side_stream
     in_line = DraftMoE(spec, H, dtype=torch.bfloat16, device="cuda",
-                       kernels=msgspec.structs.replace(forked.kernels, shared_stream=False))  # fmt: skip
+                       kernels=msgspec.structs.replace(forked.kernels, side_stream=False))  # fmt: skip
     gen = torch.Generator(device="cuda").manual_seed(T)
     with torch.no_grad():
         for p in forked.parameters():
@@ -346,7 +346,7 @@ def test_shared_expert_on_the_side_stream_equals_it_in_line(T):
         in_line.load_state_dict(forked.state_dict())
     xs = [torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3)]
     residual = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
-    side = side_stream(torch.device("cuda"))
+    side = Fork(torch.device("cuda")).other
 
     def delayed(layer, x_src, static_x):
         with torch.cuda.stream(side):

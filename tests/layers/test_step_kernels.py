@@ -59,14 +59,14 @@ def test_cuda_bf16_runs_every_kernel(triton_here):
     kernels = StepKernels.resolve("cuda", torch.bfloat16, ffn=_ffn(_moe()), layout=_layout(), graphs=True)
     assert (kernels.step_ops, kernels.projections, kernels.attention, kernels.experts) == (
         "triton", "skinny", "triton", "fused")
-    assert kernels.graphs and kernels.shared_stream and kernels.reasons == () and not kernels.quantized_experts
+    assert kernels.graphs and kernels.side_stream and kernels.reasons == () and not kernels.quantized_experts
     assert kernels.label.endswith("experts fused, sampling triton, graphs on")
 
 
 def test_cuda_without_triton_says_so(monkeypatch):
     monkeypatch.setattr(launch, "triton_installed", lambda: False)
     kernels = StepKernels.resolve("cuda", torch.bfloat16, ffn=_ffn(_moe()))
-    assert kernels == StepKernels(reasons=kernels.reasons, shared_stream=True)  # a stream is CUDA's, not Triton's
+    assert kernels == StepKernels(reasons=kernels.reasons, side_stream=True)  # a stream is CUDA's, not Triton's
     assert len(kernels.reasons) == len(FAMILIES) and all("Triton is not installed" in r for r in kernels.reasons)
 
 
