@@ -6,6 +6,7 @@ counts, then commit) under graphs never synchronizes the host."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,31 @@ def test_commit_graph_equals_eager_write_context_without_host_sync(family, tmp_p
         assert torch.equal(got[:n], want[:n])
 
 
+def _two_pools(draft):
+    """Two empty pools with requests 0-2 admitted, the slots and counts of a commit to both (a full
+    request, one row, five, and a padding slot with none), and the rows' feature width."""
+    R = draft.num_drafts + 1
+    pools = [draft.new_pool(max_requests=4, max_context=200) for _ in range(2)]
+    for pool in pools:
+        for rid in range(3):
+            pool.admit(rid)
+    slots, counts = torch.tensor([0, 1, 2, 4], device="cuda"), torch.tensor([R, 1, 5, 0], device="cuda")
+    return pools, slots, counts, draft.spec.num_target_features * draft.spec.hidden_size
+
+
+@contextlib.contextmanager
+def _kernels_of(draft, kernels):
+    """Every module of `draft` runs `kernels` inside the block (they pick their path per call from it)."""
+    saved = [(m, m.kernels) for m in draft.modules() if hasattr(m, "kernels")]
+    try:
+        for m, _ in saved:
+            m.kernels = kernels
+        yield
+    finally:
+        for m, before in saved:
+            m.kernels = before
+
+
 @torch.no_grad()
 def test_triton_write_context_equals_the_torch_chain():
     """The commit's K/V launches (projections + `kv_norm_rope_store`) write what the torch chain
@@ -79,23 +105,11 @@ def test_triton_write_context_equals_the_torch_chain():
 
     draft = _draft()[1]
     assert draft.kernels.step_ops == "triton"
-    spec, R = draft.spec, draft.num_drafts + 1
-    width = spec.num_target_features * spec.hidden_size
-    pools = [draft.new_pool(max_requests=4, max_context=200) for _ in range(2)]
-    for pool in pools:
-        for rid in range(3):
-            pool.admit(rid)
-    slots, counts = torch.tensor([0, 1, 2, 4], device="cuda"), torch.tensor([R, 1, 5, 0], device="cuda")
-    rows = torch.randn(4 * R, width, device="cuda").bfloat16()
+    pools, slots, counts, width = _two_pools(draft)
+    rows = torch.randn(4 * (draft.num_drafts + 1), width, device="cuda").bfloat16()
     draft.write_context(pools[0], slots, counts, rows)
-    saved = [(m, m.kernels) for m in draft.modules() if hasattr(m, "kernels")]
-    try:
-        for m, _ in saved:
-            m.kernels = StepKernels.reference()
+    with _kernels_of(draft, StepKernels.reference()):
         draft.write_context(pools[1], slots, counts, rows)
-    finally:
-        for m, kernels in saved:
-            m.kernels = kernels
     assert torch.equal(pools[0].lengths, pools[1].lengths)
     for got, want in zip(pools[0].buffers, pools[1].buffers):
         torch.testing.assert_close(got[:3].float(), want[:3].float(), rtol=2**-7, atol=1e-2)
@@ -114,15 +128,9 @@ def test_commit_with_odd_layers_on_the_side_stream_equals_it_in_line():
 
     draft = _draft()[1]
     assert draft.kernels.side_stream and draft.kernels.step_ops == "triton" and len(draft.layers) > 1
-    spec, R = draft.spec, draft.num_drafts + 1
-    width = spec.num_target_features * spec.hidden_size
-    pools = [draft.new_pool(max_requests=4, max_context=200) for _ in range(2)]
-    for pool in pools:
-        for rid in range(3):
-            pool.admit(rid)
-    slots, counts = torch.tensor([0, 1, 2, 4], device="cuda"), torch.tensor([R, 1, 5, 0], device="cuda")
+    pools, slots, counts, width = _two_pools(draft)
     gen = torch.Generator(device="cuda").manual_seed(11)
-    rows = [torch.randn(4 * R, width, generator=gen, device="cuda").bfloat16() for _ in range(3)]
+    rows = [torch.randn(4 * (draft.num_drafts + 1), width, generator=gen, device="cuda").bfloat16() for _ in range(3)]
     static = torch.empty_like(rows[0])
     side = Fork(torch.device("cuda")).other
     for r in rows:
@@ -131,16 +139,9 @@ def test_commit_with_odd_layers_on_the_side_stream_equals_it_in_line():
         torch.cuda._sleep(2_000_000)
         static.copy_(r)
         draft.write_context(pools[0], slots, counts, static)
-    in_line = msgspec.structs.replace(draft.kernels, side_stream=False)
-    saved = [(m, m.kernels) for m in draft.modules() if hasattr(m, "kernels")]
-    try:
-        for m, _ in saved:
-            m.kernels = in_line
+    with _kernels_of(draft, msgspec.structs.replace(draft.kernels, side_stream=False)):
         for r in rows:
             draft.write_context(pools[1], slots, counts, r)
-    finally:
-        for m, kernels in saved:
-            m.kernels = kernels
     assert torch.equal(pools[0].lengths, pools[1].lengths)
     for got, want in zip(pools[0].buffers, pools[1].buffers, strict=True):
         assert torch.equal(got[:3], want[:3])
