@@ -23,7 +23,10 @@ def _stopped_rank(rank: int, world: int) -> tuple[list[str], float]:
 
     from epdraft.parallel.watchdog import Watchdog
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # what the worker does: SIGUSR1 prints, not kills
+    # as the worker does, SIGUSR1 prints rather than kills; this thread's stack only: a dump of every
+    # thread reads the others' frames without a lock while they run again after the SIGCONT, which
+    # crashed rank 2 (SIGSEGV) once in CI
+    faulthandler.register(signal.SIGUSR1, all_threads=False)
     stalls: list[str] = []
     wd = Watchdog.start_for(dist.group.WORLD, hang_timeout_s=HANG_S, stacks_on_usr1=True, on_stall=stalls.append)
     wd.progress(7, "verify")
