@@ -190,8 +190,8 @@ class DFlashAttention(nn.Module):
         pool_k_PgCD: torch.Tensor,
         pool_v_PgCD: torch.Tensor,
         slots_N: torch.Tensor,
-        window: int | None = None,
-        ends_N: torch.Tensor | None = None,
+        window: int | None,
+        ends_N: torch.Tensor,
     ) -> torch.Tensor:
         """`forward` over a KV pool: the block rows' K/V go to rows `positions` of each request's slot
         (right after its context), then the queries attend to rows [0, position of the last block
@@ -201,8 +201,8 @@ class DFlashAttention(nn.Module):
         A sliding-window layer (`window` W) attends as `sliding_block_attention` says instead.
 
         x_NQH [N, Q, H] (input-normed), positions_NQ [N, Q] = context length + [0, Q), slots_N [N]
-        int64 on x's device; ends_N [N] = positions_NQ[:, -1] + 1 when the caller has it (one launch
-        fewer a layer). No host sync on CUDA.
+        int64 on x's device; ends_N [N] = positions_NQ[:, -1] + 1, which the step makes once for every
+        layer. No host sync on CUDA.
         """
         N, Q, _ = x_NQH.shape
         if self.kernels.step_ops == "triton":
@@ -222,6 +222,6 @@ class DFlashAttention(nn.Module):
             out = sliding_block_attention(q, pool_k_PgCD, pool_v_PgCD, slots_N, positions_NQ[:, 0], window)
         else:
             attend = block_attention if self.kernels.attention == "triton" else block_attention_reference
-            out = attend(q, pool_k_PgCD, pool_v_PgCD, slots_N, positions_NQ[:, -1] + 1 if ends_N is None else ends_N)
+            out = attend(q, pool_k_PgCD, pool_v_PgCD, slots_N, ends_N)
         out = out.to(x_NQH.dtype).transpose(1, 2).reshape(N * Q, self.num_heads * self.head_dim)
         return project(self.kernels, out, self.o_proj)[0].view(N, Q, -1)

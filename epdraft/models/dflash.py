@@ -154,7 +154,7 @@ class DFlashLayer(nn.Module):
         slots_N: torch.Tensor,
         plan: StepPlan | None,
         input_ids_NQ: torch.Tensor,
-        ends_N: torch.Tensor | None = None,
+        ends_N: torch.Tensor,
     ) -> torch.Tensor:
         """`forward` with the context read in place from `pool` (see DFlashAttention.forward_pooled;
         ends_N, each request's last position + 1, computed once a step rather than once a layer)."""
@@ -359,16 +359,20 @@ class DFlashDraft(nn.Module):
         B, L = self.spec.block_size, self.spec.num_layers
         if self.kernels.step_ops == "triton":
             return step_blocks(anchors_N, slots_N, lengths, self.spec.mask_token_id, B, L)
-        ids_NB = torch.full((anchors_N.shape[0], B), self.spec.mask_token_id, dtype=torch.long, device=self.device)
-        ids_NB[:, 0] = anchors_N.to(self.device)
         positions_NB = lengths[slots_N].long().unsqueeze(1) + torch.arange(B, device=self.device)
-        return ids_NB, positions_NB, positions_NB[:, -1] + 1, torch.zeros(L, dtype=torch.int32, device=self.device)
+        zeros_L = torch.zeros(L, dtype=torch.int32, device=self.device)
+        return self.block_ids(anchors_N), positions_NB, positions_NB[:, -1] + 1, zeros_L
 
-    def embed_blocks(self, anchors_N: torch.Tensor, heads: TargetHeads) -> tuple[torch.Tensor, torch.Tensor]:
-        """The blocks [anchor, MASK x (B-1)]: ids [N, B] and their target embeddings [N, B, H]."""
+    def block_ids(self, anchors_N: torch.Tensor) -> torch.Tensor:
+        """The blocks [anchor, MASK x (B-1)] as ids [N, B] int64 (the torch chain)."""
         ids_NB = torch.full((anchors_N.shape[0], self.spec.block_size), self.spec.mask_token_id, dtype=torch.long,
                             device=self.device)  # fmt: skip
         ids_NB[:, 0] = anchors_N.to(self.device)
+        return ids_NB
+
+    def embed_blocks(self, anchors_N: torch.Tensor, heads: TargetHeads) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks [anchor, MASK x (B-1)]: ids [N, B] and their target embeddings [N, B, H]."""
+        ids_NB = self.block_ids(anchors_N)
         return ids_NB, heads.embed(ids_NB).to(self.fc.weight.dtype)
 
     def draft_rows(self, hidden_NBH: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,7 @@ def test_pooled_step_equals_cache_step_in_bf16():
     x = heads.embed(ids)
     positions = pool.lengths[slots].long().unsqueeze(1) + torch.arange(B, device="cuda")
     for i, layer in enumerate(draft.layers):
-        x = layer.forward_pooled(x, positions, pool, i, slots, None, ids)
+        x = layer.forward_pooled(x, positions, pool, i, slots, None, ids, positions[:, -1] + 1)
     got = draft.norm(x).float()
     dy, scale = (got - ref).abs(), ref.abs().mean()
     assert dy.max() <= 0.2 * scale and dy.mean() <= 0.02 * scale, (dy.max(), dy.mean(), scale)
