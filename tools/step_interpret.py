@@ -35,6 +35,7 @@ def main() -> None:
 
     _patch_interpreter()
     from epdraft.config.ffn import ActivationSpec, RouterSpec
+    from epdraft.kernels import launch
     from epdraft.kernels.step import ops as step_ops, skinny
     from epdraft.kernels.step.attention import _launch, block_attention_reference
     from epdraft.layers.activations import gated_act
@@ -178,7 +179,7 @@ def main() -> None:
         got = skinny._gate_up_act(x, ws[0], ws[0] * 0.5, act.kind == "swiglu", act.limit, act.alpha, cfg, split)
         diff(f"skinny gate_up {act.kind}, split {split}", got,
              gated_act(F.linear(x, ws[0]), F.linear(x, ws[0] * 0.5), act))  # fmt: skip
-    if skinny._arrived_scratch[torch.device("cpu")].any():
+    if launch.zeroed_counts("skinny", torch.device("cpu"), skinny._MAX_TILES).any():
         raise SystemExit("skinny: the split launches left an arrival count non-zero")
     _report(rows)
 

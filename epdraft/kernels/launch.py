@@ -24,9 +24,10 @@ from collections.abc import Iterator
 
 import torch
 
-from epdraft.errors import ConfigError
+from epdraft.errors import ConfigError, EpdraftError
 
 _enabled = True
+_counts: dict[tuple[str, torch.device, bool], torch.Tensor] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,6 +87,31 @@ class Fork:
 
     def join(self) -> None:
         self.main.wait_stream(self.other)
+
+
+def zeroed_counts(owner: str, device: torch.device, size: int) -> torch.Tensor:
+    """[size] int32 zeros on `device` through which a launch's programs find the last to arrive,
+    which leaves them zeroed again: one buffer per owner, device and stream, the current one or
+    `Fork`'s second, made on first use. Launches on one stream run one after another (a PDL launch
+    waits for the one before it ends before it counts); a launch on the second stream gets counts
+    of its own, so the two may run at once (the commit's K/V projections do).
+
+    Raises:
+        EpdraftError: the first use is inside a CUDA-graph capture (zeros made there exist only
+            once the graph replays: launches before that would read garbage counts).
+        ConfigError: more than the `size` of the owner's first use asked for.
+    """
+    side = device.type == "cuda" and torch.cuda.current_stream(device) == _second_stream(device)
+    key = (owner, device, side)
+    if key not in _counts:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            stream = "the second stream of " if side else ""
+            raise EpdraftError(f"{owner}: its first launch on {stream}{device} ran inside a CUDA-graph capture; "
+                               "run the step once eagerly before capturing it (StepGraphs does)")  # fmt: skip
+        _counts[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    if size > _counts[key].numel():
+        raise ConfigError(f"{owner}: {size} arrival counts asked for, {_counts[key].numel()} made on {device}")
+    return _counts[key]
 
 
 def next_pow2(n: int) -> int:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from epdraft.bench.step import preset_config
 from epdraft.config.ffn import ActivationSpec, RouterSpec
+from epdraft.kernels import launch
 from epdraft.kernels.step import ops as step_ops, skinny
 from epdraft.layers.activations import gated_act
 from epdraft.layers.router import Router
@@ -285,7 +286,31 @@ def test_skinny_split_k_equals_cublas_and_repeats_bit_for_bit(split):
     torch.testing.assert_close(h.float(), gated_act(F.linear(x, wg), F.linear(x, wu), act).float(), rtol=2**-6, atol=5e-2)
     assert torch.equal(skinny.gate_up_act(x, wg, wu, True, 0.0, 1.0, split_k=split), h)
     torch.cuda.synchronize()
-    assert not skinny._arrived_scratch.get(x.device, torch.zeros(1)).any()
+    assert not launch.zeroed_counts("skinny", x.device, skinny._MAX_TILES).any()
+
+
+@torch.no_grad()
+def test_skinny_split_launches_on_both_streams_at_once_count_apart():
+    """The commit's K/V projections run split over K on `launch.Fork`'s second stream beside the
+    main stream's (issue13's k/v at 16 rows: 64 tiles, split 4): launches running at once must
+    count their tiles' arrivals apart, or a program of one sums the other's unfinished partials.
+    Both streams' launches are queued behind one sleep, so they start together; each must give
+    the serial launch's bits, and every count is zero after."""
+    x = torch.randn(16, 4096, device="cuda").bfloat16()
+    ws = [torch.randn(1024, 4096, device="cuda").bfloat16() * 4096**-0.5 for _ in range(4)]
+    want_main, want_side = skinny.linear(x, ws[:2], split_k=4), skinny.linear(x, ws[2:], split_k=4)
+    for _ in range(20):
+        torch.cuda._sleep(1_000_000)
+        fork = launch.Fork(x.device)  # the second stream waits for the sleep too
+        with fork.side():
+            side = skinny.linear(x, ws[2:], split_k=4)
+        main = skinny.linear(x, ws[:2], split_k=4)
+        fork.join()
+        assert torch.equal(main, want_main) and torch.equal(side, want_side)
+    torch.cuda.synchronize()
+    assert not launch.zeroed_counts("skinny", x.device, skinny._MAX_TILES).any()
+    with fork.side():
+        assert not launch.zeroed_counts("skinny", x.device, skinny._MAX_TILES).any()
 
 
 @torch.no_grad()
@@ -293,7 +318,6 @@ def test_pdl_launches_equal_launches_without_pdl_eager_and_in_a_graph():
     """Programmatic dependent launch changes when a kernel starts, never what it reads: a chain of
     100 dependent launches (each reading the one before's output, the skinny ones prefetching
     their weights before the wait) gives the same bits with PDL as without, eager and replayed."""
-    from epdraft.kernels import launch
 
     device = torch.device("cuda", torch.cuda.current_device())
     if not launch.pdl(device):

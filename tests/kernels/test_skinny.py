@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from epdraft.config.ffn import ActivationSpec
+from epdraft.errors import ConfigError
 from epdraft.kernels.step import skinny
 from epdraft.layers.activations import gated_act
 from epdraft.layers.projection import gate_up, project
@@ -113,3 +114,18 @@ def test_each_gpu_kind_gets_the_tile_config_measured_on_it(monkeypatch, caplog, 
         skinny._device_config.cache_clear()
     assert config == (skinny.DEVICE_CONFIGS[kind] if kind else skinny.DEFAULT_CONFIG)
     assert ("no tile config measured on " + name in caplog.text) == (kind is None)
+
+
+def test_zeroed_counts_are_one_buffer_per_owner_made_once():
+    """The arrival counts a split launch finds its last program by: made zeroed on first use and
+    then the same buffer (its launches leave it zeroed), one per owner, never more than made."""
+    from epdraft.kernels import launch
+
+    cpu = torch.device("cpu")
+    counts = launch.zeroed_counts("test owner", cpu, 8)
+    assert counts.dtype == torch.int32 and counts.shape == (8,) and not counts.any()
+    counts[3] = 1
+    assert launch.zeroed_counts("test owner", cpu, 4) is counts
+    assert not launch.zeroed_counts("another owner", cpu, 8).any()
+    with pytest.raises(ConfigError, match="test owner: 9 arrival counts asked for, 8 made on cpu"):
+        launch.zeroed_counts("test owner", cpu, 9)

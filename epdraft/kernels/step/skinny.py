@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from epdraft.errors import ConfigError, EpdraftError
+from epdraft.errors import ConfigError
 from epdraft.kernels import launch
 from epdraft.kernels.launch import next_pow2
 
@@ -42,7 +42,6 @@ _MAX_SPLIT = 8
 # (PDL): ~2-3 µs of HBM time over a whole projection, what the previous kernel and the launch leave idle
 _PREFETCH_BYTES = 2048
 _MAX_TILES = 1 << 16  # split tiles' arrival counts per device (a 2M-wide projection at BLOCK_N 32)
-_arrived_scratch: dict[torch.device, torch.Tensor] = {}
 
 
 def _launch_config(config: tuple, block_m: int, weight_tiles: int) -> tuple[int, int, int, int]:
@@ -163,23 +162,16 @@ def _split_buffers(split: int, T: int, width: int, tiles: int, out: torch.Tensor
     """(fp32 partials [split, T, width], the device's arrival counts): what a split launch reads;
     `out` for both when split == 1 (the kernel reads neither).
 
-    The counts are one zeroed int32 per tile, shared by every launch on the device and left zeroed
-    by each: launches of one stream run one after another (a PDL launch waits for the previous
-    kernel before it counts), so only skinny launches on two streams at once could collide.
+    The counts are one zeroed int32 per tile, shared by the skinny launches of one stream
+    (`launch.zeroed_counts`: the commit's K/V projections on `launch.Fork`'s second stream count
+    apart from those on the main one).
     """
     if split == 1:
         return out, out
-    device = out.device
     if tiles > _MAX_TILES:
         raise ConfigError(f"skinny: {tiles} column tiles split over K exceed the {_MAX_TILES} arrival counts")
-    if device not in _arrived_scratch:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # zeros made inside a capture exist only once the graph replays: eager launches before
-            # that would read garbage counts and leave tiles unwritten
-            raise EpdraftError("skinny: the first K-split launch on a device ran inside a CUDA-graph capture; "
-                               "run the step once eagerly before capturing it (StepGraphs does)")  # fmt: skip
-        _arrived_scratch[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
-    return torch.empty(split, T, width, dtype=torch.float32, device=device), _arrived_scratch[device]
+    counts = launch.zeroed_counts("skinny", out.device, _MAX_TILES)
+    return torch.empty(split, T, width, dtype=torch.float32, device=out.device), counts
 
 
 def _prefetch_bytes(weights: Sequence[torch.Tensor], K: int, block_k: int, split: int) -> int:
