@@ -64,9 +64,14 @@ def pdl_off() -> Iterator[None]:
         _enabled = before
 
 
-@functools.lru_cache(maxsize=None)
 def _second_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
+    """The one second stream of a CUDA device, however it is named (`cuda` and `cuda:0` are one device)."""
+    return _second_stream_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _second_stream_of(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(torch.device("cuda", index))
 
 
 class Fork:
@@ -101,6 +106,8 @@ def zeroed_counts(owner: str, device: torch.device, size: int) -> torch.Tensor:
             once the graph replays: launches before that would read garbage counts).
         ConfigError: more than the `size` of the owner's first use asked for.
     """
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     side = device.type == "cuda" and torch.cuda.current_stream(device) == _second_stream(device)
     key = (owner, device, side)
     if key not in _counts:

@@ -308,9 +308,15 @@ def test_skinny_split_launches_on_both_streams_at_once_count_apart():
         fork.join()
         assert torch.equal(main, want_main) and torch.equal(side, want_side)
     torch.cuda.synchronize()
-    assert not launch.zeroed_counts("skinny", x.device, skinny._MAX_TILES).any()
+    main_counts = launch.zeroed_counts("skinny", x.device, skinny._MAX_TILES)
     with fork.side():
-        assert not launch.zeroed_counts("skinny", x.device, skinny._MAX_TILES).any()
+        side_counts = launch.zeroed_counts("skinny", x.device, skinny._MAX_TILES)
+    assert not main_counts.any() and not side_counts.any() and side_counts.data_ptr() != main_counts.data_ptr()
+    # `cuda` and `cuda:0` name one device: one second stream, and its launches count on the side's counts
+    unindexed = launch.Fork(torch.device("cuda"))
+    assert unindexed.other is fork.other
+    with unindexed.side():
+        assert launch.zeroed_counts("skinny", torch.device("cuda"), skinny._MAX_TILES) is side_counts
 
 
 @torch.no_grad()
