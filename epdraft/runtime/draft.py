@@ -57,7 +57,7 @@ from epdraft.parallel.watchdog import Watchdog
 from epdraft.runtime.coordinator import StepCoordinator
 from epdraft.runtime.graphs import CommitGraphs, StepGraphs, default_buckets
 from epdraft.runtime.timing import PhaseTimers, TimedDispatcher, time_forward
-from epdraft.sampling import seeded
+from epdraft.sampling import Readout, seeded
 from epdraft.target.base import VerifyResult
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class DraftRuntime:
                     self.pool, slots, anchors, heads, plan, readout=readout
                 ),
                 pad_slot=self.pool.pad_slot, buckets=default_buckets(max_requests), block_size=draft.block_size,
-                device=draft.device,
+                device=draft.device, capture_on_first_use=layout.layout == "replicated",
             )  # fmt: skip
         elif timers is not None:
             for m in moe_layers:
@@ -239,18 +239,22 @@ class DraftRuntime:
 
     @torch.no_grad()
     def warm_up(self, progress: Callable[[int], None] | None = None) -> None:
-        """Capture the step's CUDA graph (argmax readout) and the commit's of every batch bucket now,
-        so that no request pays a capture later; `progress(buckets done)` after each. Without graphs
-        it does nothing. Every rank of the DP group must call it at the same point, built with the same
+        """Capture the step's CUDA graphs and the commit's of every batch bucket now, so that no
+        request pays a capture later; `progress(buckets done)` after each. Without graphs it does
+        nothing. Every rank of the DP group must call it at the same point, built with the same
         `max_requests` (the same buckets, as any step under graphs needs): each capture runs the
         MoE layers' collectives at the bucket's shapes (on pad rows only: nothing is drafted).
-        A sampled readout's graphs are still captured on first use."""
+        Where the MoE layers communicate, it captures every readout's step graph (a rank's readout
+        follows its own requests' sampling, which its peers do not know, so none may capture later);
+        a rank alone captures the argmax one here and a sampled readout's on first use."""
         if self.graphs is None:
             return
         ranks = self.coordinator.ranks
+        readouts = (Readout.ARGMAX,) if self.graphs.capture_on_first_use else tuple(Readout)
         for done, bucket in enumerate(self.graphs.buckets, start=1):
             self.watchdog.progress(phase=f"capturing the draft step for {bucket} requests")
-            self.graphs.run([], [], StepPlan(step=-1, ranks=ranks, counts=(bucket * self.block_size,) * len(ranks)))
+            for readout in readouts:
+                self.graphs.capture(bucket, readout, ranks)
             self.commit_graphs.capture(bucket)
             if progress is not None:
                 progress(done)

@@ -8,10 +8,13 @@ Inputs go through one pinned host buffer, written through a numpy view made once
 microseconds of host time where torch's indexing costs tens); the graph's own first node copies it
 to the static device buffer and records an event the host waits on before the next write, so a
 replay is two host calls (that wait, usually already done, and the replay) and never waits for
-the step. A bucket is captured the first time a step needs it, on every
-rank at the same step; the MoE layers are captured with a plan whose counts are the bucket's, so
-their collectives have the bucket's fixed shapes. Each readout (`Readout`: argmax, sampled,
-sampled with top-k / top-p) has its own graph per bucket: an all-greedy step keeps the argmax one.
+the step. The MoE layers are captured with a plan whose counts are the bucket's, so their
+collectives have the bucket's fixed shapes. Each readout (`Readout`: argmax, sampled, sampled with
+top-k / top-p) has its own graph per bucket: an all-greedy step keeps the argmax one. A capture
+runs the step once eagerly first, collectives included, so where the MoE layers communicate every
+rank must capture at the same point: the bucket is agreed, but the readout is each rank's own (its
+requests' sampling), so there every graph is captured at start-up (`capture`, from
+`DraftRuntime.warm_up`) and a missing one is an error; a rank alone captures on first use.
 
 A commit has no collective, so its bucket is this rank's own request count; its rows (1 ..
 `rows_per_request` per request, packed) are copied into the graph's static rows and the padding
@@ -28,7 +31,7 @@ import numpy as np
 import torch
 
 from epdraft.dispatch import StepPlan
-from epdraft.errors import RequestError
+from epdraft.errors import EpdraftError, RequestError
 from epdraft.models.step import DraftStep
 from epdraft.sampling import Readout
 
@@ -101,6 +104,8 @@ class StepGraphs:
 
     step: the draft step over static inputs (`draft.step` bound to its pool and heads).
     pad_slot: the slot padding rows read. buckets: ascending request counts.
+    capture_on_first_use: whether `run` captures a graph it lacks (False where the MoE layers
+        communicate: see the module docstring).
     """
 
     def __init__(
@@ -111,12 +116,14 @@ class StepGraphs:
         buckets: tuple[int, ...],
         block_size: int,
         device: torch.device,
+        capture_on_first_use: bool = True,
     ):
         self.step = step
         self.pad_slot = pad_slot
         self.buckets = buckets
         self.block_size = block_size
         self.device = device
+        self.capture_on_first_use = capture_on_first_use
         self._captured: dict[tuple[int, Readout], _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
@@ -128,15 +135,32 @@ class StepGraphs:
         self, slots: list[int], anchors: list[int], plan: StepPlan, *, readout: Readout = Readout.ARGMAX
     ) -> DraftStep:
         """The step's output for these len(slots) requests, on the device, from the graph of the
-        bucket and readout (captured on first use); views of the graph's static outputs,
-        overwritten by the next replay of that graph."""
+        bucket and readout (captured on first use where `capture_on_first_use`); views of the
+        graph's static outputs, overwritten by the next replay of that graph.
+
+        Raises:
+            EpdraftError: the graph was never captured and may not be now.
+        """
         b = self.bucket(plan)
         captured = self._captured.get((b, readout))
         if captured is None:
+            if not self.capture_on_first_use:
+                raise EpdraftError(
+                    f"no CUDA graph of the draft step for bucket {b} with the {readout.value} readout: the MoE "
+                    "layers communicate, so every rank captures every graph at start-up; call DraftRuntime.warm_up "
+                    "on every rank before the first step"
+                )
             captured = self._capture(b, readout, plan, slots, anchors)
         captured.inputs.write([(slots, self.pad_slot), (anchors, 0)])
         captured.graph.replay()
         return captured.first(len(slots))
+
+    def capture(self, b: int, readout: Readout, ranks: tuple[int, ...]) -> None:
+        """Capture bucket `b`'s graph for `readout` now, over padding rows, unless it already is
+        (start-up: where the MoE layers communicate, every rank of `ranks` at the same point)."""
+        if (b, readout) not in self._captured:
+            plan = StepPlan(step=-1, ranks=ranks, counts=(b * self.block_size,) * len(ranks))
+            self._capture(b, readout, plan, [], [])
 
     def _capture(self, b: int, readout: Readout, plan: StepPlan, slots: list[int], anchors: list[int]) -> _Captured:
         bucket_plan = StepPlan(step=plan.step, ranks=plan.ranks, counts=(b * self.block_size,) * len(plan.ranks))

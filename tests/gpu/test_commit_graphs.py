@@ -199,3 +199,74 @@ def _iteration_without_sync(rank: int, world: int) -> dict:
 def test_embedded_iteration_under_graphs_never_syncs_the_host():
     lengths = run_ranks(1, _iteration_without_sync, timeout_s=300)[0]
     assert lengths["host"] == lengths["device"] == lengths["expected"]
+
+
+def _captures_with_a_communicating_layout(rank: int, world: int) -> dict:
+    """A 1-rank NCCL group with the `gather` layout (its MoE layers enter collectives; the step
+    sync's CPU group gloo): whether a
+    runtime that skipped warm_up refuses the step, which graphs warm_up captured, and whether a
+    sampled and a filtered request then step without a capture of their own."""
+    import torch.distributed as dist
+
+    from epdraft.config.parallel import parallel_config_from_dict
+    from epdraft.config.sampling import SamplingParams
+    from epdraft.errors import EpdraftError
+    from epdraft.models import read_draft_spec
+    from epdraft.parallel.groups import Groups
+    from epdraft.runtime import DraftRuntime, MoeLayout
+
+    path = REPO / "epdraft" / "assets" / "tiny-draft"
+    spec = read_draft_spec(path)
+    heads = RandomHeads(spec.vocab_size, spec.hidden_size, dtype=torch.bfloat16, device=torch.device("cuda"))
+    torch.cuda.set_device(0)
+    nccl = dist.new_group([0], backend="nccl")
+    groups = Groups.from_process_groups(moe=nccl, attn_dp=nccl, cpu=dist.new_group([0]), ep_size=1, tp_size=1)
+    pc = parallel_config_from_dict({"cluster": {"nnodes": 1, "nproc_per_node": 1, "device": "cuda"},
+                                    "draft": {"attn_dp": 1, "moe_layout": "gather"}, "target": {"dp": 1}})  # fmt: skip
+    layout = MoeLayout.resolve(pc, spec.ffn, groups)
+
+    def build():
+        return DraftRuntime.build(path, heads, groups=groups, layout=layout, spec=spec, max_requests=4,
+                                  max_context=512, device="cuda", graphs=True)  # fmt: skip
+
+    width = spec.num_target_features * spec.hidden_size
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    report = {"layout": layout.layout}
+    cold = build()
+    try:
+        cold.add_request(0, torch.randn(20, width, generator=gen, device="cuda").bfloat16())
+        try:
+            cold.propose(0, {0: 5}, counts=[spec.block_size])
+            report["cold"] = "stepped"
+        except EpdraftError as e:
+            report["cold"] = str(e)
+    finally:
+        cold.close()
+    runtime = build()
+    try:
+        runtime.warm_up()
+        report["first_use"] = runtime.graphs.capture_on_first_use
+        captured = sorted((b, r.value) for b, r in runtime.graphs._captured)
+        report["captured"] = captured
+        sampled = SamplingParams(temperature=0.7, seed=1)
+        filtered = SamplingParams(temperature=0.7, top_k=20, seed=2)
+        for rid, sampling in ((0, sampled), (1, filtered), (2, None)):
+            runtime.add_request(rid, torch.randn(20, width, generator=gen, device="cuda").bfloat16(), sampling)
+        proposal = runtime.propose(0, {0: 5, 1: 6, 2: 7}, counts=[3 * spec.block_size])
+        report["drafts"] = sorted(proposal.drafts)
+        report["captured_after"] = sorted((b, r.value) for b, r in runtime.graphs._captured)
+    finally:
+        runtime.close()
+    return report
+
+
+def test_a_communicating_layout_captures_every_readout_at_start_up():
+    """Where the MoE layers communicate, a rank must not capture alone (its capture's eager run
+    enters collectives its peers do not): warm_up captures every readout's step graph of every
+    bucket, a step after it captures nothing, and a step without it is refused, not captured."""
+    (report,) = run_ranks(1, _captures_with_a_communicating_layout, timeout_s=300)
+    assert report["layout"] == "gather" and report["first_use"] is False
+    assert "call DraftRuntime.warm_up on every rank before the first step" in report["cold"]
+    buckets = sorted({b for b, _ in report["captured"]})
+    assert report["captured"] == sorted((b, r) for b in buckets for r in ("argmax", "sample", "filtered"))
+    assert report["captured_after"] == report["captured"] and report["drafts"] == [0, 1, 2]
