@@ -112,6 +112,17 @@ def test_topk_route_equals_route(scoring, E, K):
     assert empty_ids.shape == (0, K) and empty_w.shape == (0, K)
 
 
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "sqrtsoftplus", "softmax_topk"])
+def test_topk_route_of_nan_logits_picks_experts_that_exist(scoring):
+    """A non-finite step's NaN logits still route to experts in [0, E) (the dispatchers index by
+    them); the step's finite flags drop its drafts."""
+    logits = torch.randn(40, 12, device="cuda")
+    logits[::2] = float("nan")
+    logits[1::4, 3] = float("nan")
+    ids, _ = step_ops.topk_route(logits, 4, scoring, None, True, 1e-20, 1.0)
+    assert ids.min() >= 0 and ids.max() < 12
+
+
 @pytest.mark.parametrize("scoring", ["sqrtsoftplus", "softmax_topk"])
 def test_topk_route_with_a_selection_bias_picking_low_logits(scoring):
     """A bias that outweighs the logits picks experts whose logits are very negative: sqrt(softplus)

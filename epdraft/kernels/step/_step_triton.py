@@ -245,7 +245,8 @@ def topk_route_kernel(
     selection = scores
     if HAS_BIAS:
         selection = scores + tl.load(bias_ptr + e, mask=ok, other=0.0)
-    selection = tl.where(ok, selection, float("-inf"))
+    # a NaN (a non-finite step, flagged and dropped) loses to every expert: never a lane past E
+    selection = tl.where(ok & (selection == selection), selection, float("-inf"))
     k = tl.arange(0, K)
     top_ids = tl.zeros((K,), tl.int64)
     top_scores = tl.zeros((K,), tl.float32)
