@@ -9,6 +9,9 @@ Contract: deep_ep v1 `Buffer` (docs/legacy.md); intranode normal needs NVLink, L
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -23,7 +26,9 @@ from epdraft.errors import ConfigError, ParallelError
 # would replace the user's; README's Extras table says how to match them.
 INSTALL = "pip install sgl-deep-ep built for this torch (0.1.2.post1 pins torch 2.14.1, CUDA 13; README: Extras)"
 _NORMAL_INTERNODE_NODES = (2, 3, 4, 6, 8, 12, 16, 18, 20)  # R / 8 with tuned configs
-_LL_HIDDEN = (2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192)  # hidden sizes the LL kernels are built for
+_LL_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)  # hidden sizes the LL kernels are built for
+_LL_HIDDEN_SGL = (3584,)  # added by SGLang's build (the sgl-deep-ep wheel), absent from DeepEP's own
+_QP_DEPTH = 1024  # NVSHMEM_QP_DEPTH unless set: DeepEP sets this default before NVSHMEM starts
 _MAX_TOPK = 32
 _LL_MAX_TOPK = 11
 
@@ -68,13 +73,7 @@ class DeepEPDispatcher:
         if layout.hidden_size % 8:
             return f"hidden size {layout.hidden_size}: DeepEP needs bf16 rows of a multiple of 16 bytes"
         if layout.low_latency:
-            if layout.hidden_size not in _LL_HIDDEN:
-                return f"hidden size {layout.hidden_size}: DeepEP low-latency kernels exist for {_LL_HIDDEN}"
-            if not 0 < layout.top_k <= _LL_MAX_TOPK:
-                return f"top_k = {layout.top_k}: DeepEP low-latency takes 1..{_LL_MAX_TOPK}"
-            if layout.max_rows_per_rank <= 0 or (R * layout.max_rows_per_rank) % 4:
-                return f"max_rows_per_rank = {layout.max_rows_per_rank}: low-latency needs > 0 with R*T % 4 == 0"
-            return None
+            return _low_latency_reason(layout, R)
         if not (R in (2, 4, 8) or (R % 8 == 0 and R // 8 in _NORMAL_INTERNODE_NODES)):
             return f"{R} EP ranks: DeepEP normal kernels take 2, 4, 8 per node or 8 x {_NORMAL_INTERNODE_NODES}"
         if layout.top_k > _MAX_TOPK:
@@ -135,3 +134,29 @@ class DeepEPDispatcher:
     def close(self) -> None:
         """Destroy the DeepEP buffer (NVLink IPC / NVSHMEM memory); every rank must call it."""
         self.buffer.destroy()
+
+
+def _low_latency_reason(layout: MoeLayout, R: int) -> str | None:
+    """Why DeepEP's low-latency kernels cannot take `layout` over R ranks, or None."""
+    hidden = _LL_HIDDEN + (_LL_HIDDEN_SGL if _sgl_build() else ())
+    if layout.hidden_size not in hidden:
+        return f"hidden size {layout.hidden_size}: this DeepEP's low-latency kernels exist for {hidden}"
+    if not 0 < layout.top_k <= _LL_MAX_TOPK:
+        return f"top_k = {layout.top_k}: DeepEP low-latency takes 1..{_LL_MAX_TOPK}"
+    T = layout.max_rows_per_rank
+    if T <= 0 or (R * T) % 4:
+        return f"draft.max_rows_per_rank = {T}: low-latency needs > 0 with R*T % 4 == 0 ({R} ranks)"
+    depth = os.environ.get("NVSHMEM_QP_DEPTH", str(_QP_DEPTH))
+    if not depth.isdigit() or 2 * (T + 1) > int(depth):
+        return (f"draft.max_rows_per_rank = {T}: DeepEP low-latency needs NVSHMEM_QP_DEPTH >= 2 (T + 1) = {2 * (T + 1)}, "
+                f"it is {depth}; lower the key or raise the variable")  # fmt: skip
+    return None
+
+
+def _sgl_build() -> bool:
+    """Whether the installed `deep_ep` is SGLang's wheel (sgl-deep-ep)."""
+    try:
+        importlib.metadata.distribution("sgl-deep-ep")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True

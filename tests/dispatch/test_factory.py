@@ -132,3 +132,29 @@ def test_unknown_backend_is_refused_naming_both_keys():
     layout = MoeLayout(layout="alltoall", backend="nccl", num_experts=8, hidden_size=H, top_k=2)
     with pytest.raises(ConfigError, match="draft.a2a_backend = 'nccl' with draft.moe_layout = 'alltoall': expected one of"):
         make_dispatcher(layout, None)
+
+
+def _low_latency(hidden: int = 7168, rows: int = 128, top_k: int = 8) -> MoeLayout:
+    return MoeLayout(layout="alltoall", backend="deepep", low_latency=True, max_rows_per_rank=rows, ep_size=2,
+                     num_experts=16, hidden_size=hidden, top_k=top_k, device_type="cuda")  # fmt: skip
+
+
+def test_deepep_low_latency_limits_are_refused_naming_the_key(monkeypatch):
+    """DeepEP's low-latency kernels: its hidden sizes (3584 only in SGLang's build), top-k up to 11,
+    R*T % 4 == 0, and NVSHMEM_QP_DEPTH >= 2 (T + 1), which its dispatch asserts on every rank at
+    the first step (T = 512 under the default depth 1024)."""
+    from epdraft.dispatch import deepep
+
+    monkeypatch.delenv("NVSHMEM_QP_DEPTH", raising=False)
+    monkeypatch.setattr(deepep, "_sgl_build", lambda: False)
+    assert deepep._low_latency_reason(_low_latency(), 2) is None
+    assert deepep._low_latency_reason(_low_latency(rows=510), 2) is None
+    why = deepep._low_latency_reason(_low_latency(rows=512), 2)
+    assert why.startswith("draft.max_rows_per_rank = 512: DeepEP low-latency needs NVSHMEM_QP_DEPTH >= 2 (T + 1) = 1026")
+    monkeypatch.setenv("NVSHMEM_QP_DEPTH", "2048")
+    assert deepep._low_latency_reason(_low_latency(rows=512), 2) is None
+    assert "hidden size 3584" in deepep._low_latency_reason(_low_latency(hidden=3584), 2)
+    monkeypatch.setattr(deepep, "_sgl_build", lambda: True)
+    assert deepep._low_latency_reason(_low_latency(hidden=3584), 2) is None
+    assert "top_k = 12" in deepep._low_latency_reason(_low_latency(top_k=12), 2)
+    assert "R*T % 4 == 0 (3 ranks)" in deepep._low_latency_reason(_low_latency(rows=130), 3)
