@@ -140,6 +140,13 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
         return self.backend == "torch_fixed" or (self.backend == "deepep" and self.low_latency)
 
     @property
+    def row_cap(self) -> int | None:
+        """The most rows one rank may send in a step where the backend's buffers are sized once
+        (DeepEP low-latency, Mooncake EP): `max_rows_per_rank`; None where any count goes."""
+        fixed = self.layout == "alltoall" and (self.backend == "mooncake" or (self.backend == "deepep" and self.low_latency))
+        return self.max_rows_per_rank if fixed else None
+
+    @property
     def group_size(self) -> int:
         """Ranks of the MoE group: ep_size x tp_size."""
         return self.ep_size * self.tp_size

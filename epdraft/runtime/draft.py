@@ -182,6 +182,7 @@ class DraftRuntime:
         spec = spec if spec is not None else read_draft_spec(draft_path)
         dtype = dtype if dtype is not None else default_dtype(device)
         kernels = StepKernels.resolve(device, dtype, ffn=spec.ffn, layout=layout, graphs=graphs)
+        _check_row_cap(layout, max_requests, spec.block_size, kernels.graphs)
         dispatcher = make_dispatcher(layout, groups.moe if layout.layout != "replicated" else None)
         if timers is not None and not kernels.graphs:
             dispatcher = TimedDispatcher(dispatcher, timers)
@@ -453,3 +454,18 @@ class DraftRuntime:
             dispatcher.close()
         if self._owns_watchdog:
             self.watchdog.stop()
+
+
+def _check_row_cap(layout: MoeLayout, max_requests: int, block_size: int, graphs: bool) -> None:
+    """ConfigError naming draft.max_rows_per_rank when a step of this runtime can send more rows
+    than the layout's fixed buffers take: max_requests blocks, or under graphs the largest bucket's
+    (every rank replays it). Found at build, not at the first step that overflows."""
+    cap = layout.row_cap
+    requests = default_buckets(max_requests)[-1] if graphs else max_requests
+    if cap is not None and requests * block_size > cap:
+        graphs_note = f" (the largest CUDA-graph bucket of draft.max_requests = {max_requests})" if graphs else ""
+        raise ConfigError(
+            f"draft.max_rows_per_rank = {cap}: a step can send {requests} requests{graphs_note} x {block_size} "
+            f"block rows = {requests * block_size} rows from one rank, more than the {layout.backend} buffers "
+            f"take; raise draft.max_rows_per_rank or lower draft.max_requests"
+        )
