@@ -20,7 +20,8 @@ from epdraft.errors import ConfigError, ParallelError
 
 INSTALL = "pip install 'epdraft[mooncake-cuda13]' (Mooncake EP ships only in the CUDA builds)"
 _MAX_TOKENS_PER_RANK = 1024
-_TIMEOUT_US = 30_000_000  # a peer silent for 30 s is dead, not slow
+_TIMEOUT_US = 30_000_000  # a peer silent for 30 s is dead, not slow (from the second call: the first waits
+# as long as the slowest rank's first step takes, its kernels compiled on the way, as SGLang's does)
 
 
 class MooncakeDispatcher:
@@ -38,6 +39,7 @@ class MooncakeDispatcher:
         num_bytes = Buffer.get_ep_buffer_size_hint(layout.max_rows_per_rank, layout.hidden_size, R, layout.num_experts)
         self.buffer = Buffer(group, num_bytes)
         self.active_ranks = torch.ones(R, dtype=torch.int32, device=torch.cuda.current_device())
+        self.timeout_us = -1  # none until the first combine has returned
 
     @staticmethod
     def unsupported_reason(layout: MoeLayout, group: dist.ProcessGroup) -> str | None:
@@ -67,7 +69,8 @@ class MooncakeDispatcher:
             )
         x, ids, weights = pad_idle(x_TH, topk_ids_TK, topk_weights_TK, torch.int64)
         recv_x, recv_count, handle, _, _ = self.buffer.dispatch(
-            x, ids, self.active_ranks, self.layout.max_rows_per_rank, self.layout.num_experts, _TIMEOUT_US, use_fp8=False
+            x, ids, self.active_ranks, self.layout.max_rows_per_rank, self.layout.num_experts, self.timeout_us,
+            use_fp8=False,
         )
         rows, ids_R1, weights_R1 = masked_rows(recv_x, recv_count)
         return BackendRows(rows, ids_R1, weights_R1, T, ids, weights, handle, tuple(recv_x.shape))
@@ -82,9 +85,10 @@ class MooncakeDispatcher:
             handle.topk_ids_TK,
             handle.topk_weights_TK,
             self.active_ranks,
-            _TIMEOUT_US,
+            self.timeout_us,
             handle.backend_handle,
         )
+        self.timeout_us = _TIMEOUT_US
         lost = (self.active_ranks == 0).nonzero().flatten().tolist()
         if lost:
             raise ParallelError(f"mooncake EP: ranks {[self.ranks[i] for i in lost]} timed out in dispatch/combine")
