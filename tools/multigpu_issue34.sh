@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 34 on one multi-GPU host (2, 4 or 8 GPUs), one part per device command (each part fits the
-# device tool's 10-minute limit; STEP_TIMEOUT bounds every step):
+# Issue 34 on one multi-GPU host (2, 4 or 8 GPUs), one part per device command (STEP_TIMEOUT bounds
+# every step; the device tool's command limit is 10 minutes, so on 4-8 GPUs run `bench` once per GPU
+# count, GPU_COUNTS=2 then 4 then 8, and `step` / `run` with a lower STEP_TIMEOUT):
 #
 #   bash tools/multigpu_issue34.sh env | deepep | tests | bench | step | run
 #
@@ -12,7 +13,8 @@
 #   tests   every GPU test on this machine's GPUs (NCCL equivalence of every layout incl. torch_fixed
 #           under CUDA graphs, DeepEP normal and low-latency, Mooncake EP)
 #   bench   `epdraft bench dispatch --device cuda`, every backend side by side at EP 2 / 4 / 8,
-#           H 7168, top-8, 16 / 128 / 512 rows per rank (issue 34's point: EP 2, 128 rows)
+#           H 7168, top-8, 16 / 128 / 384 rows per rank (issue 34's point: EP 2, 128 rows; DeepEP's
+#           low-latency kernels take T <= 511 rows under NVSHMEM_QP_DEPTH's default 1024)
 #   step    the draft iteration sharded vs replicated at N = 64 requests per rank: `epdraft run` of
 #           the random pair (issue 13's shape) with graphs, replicated / alltoall (torch_fixed) /
 #           gather on all GPUs; each run's "draft iteration ... ms per step" line is the comparison
@@ -41,7 +43,7 @@ step() {
 }
 
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-GPU_COUNTS=$(for n in 2 4 8; do [ "$n" -le "$NGPU" ] && echo "$n"; done)
+GPU_COUNTS=${GPU_COUNTS:-$(for n in 2 4 8; do [ "$n" -le "$NGPU" ] && echo "$n"; done)}
 # configs/h200x8-dp8-ep8.toml (alltoall, EP 8) on N GPUs.
 on_gpus() { echo --set cluster.nproc_per_node="$1" --set draft.attn_dp="$1" --set draft.moe_ep="$1" --set target.dp="$1"; }
 
@@ -68,7 +70,7 @@ part_bench() {
   for n in $GPU_COUNTS; do
     # shellcheck disable=SC2046  # on_gpus prints separate words on purpose
     step "bench_dispatch_${n}gpu" "${EPDRAFT[@]}" bench dispatch --config configs/h200x8-dp8-ep8.toml $(on_gpus "$n") \
-      --device cuda --rows 16,128,512 --hidden 7168 --top-k 8 --experts 256 --intermediate 2048 \
+      --device cuda --rows 16,128,384 --hidden 7168 --top-k 8 --experts 256 --intermediate 2048 \
       --a2a-backends torch,torch_fixed,deepep,deepep_ll,mooncake --steps 20 --warmup 5 \
       --json "$OUT/bench_dispatch_${n}gpu.jsonl"
   done

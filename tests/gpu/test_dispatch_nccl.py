@@ -75,6 +75,7 @@ def test_torch_layouts_equal_reference_on_nccl(world):
         [("replicated", "torch", "max_len", 1, 1, router) for router in ROUTERS]
         + gather_cases(world, all_splits(world, intermediate=BF16.intermediate))
         + alltoall_cases(world)
+        + alltoall_cases(world, "torch_fixed")
     )
     _run(world, cases, BF16, timeout_s=460)
 
