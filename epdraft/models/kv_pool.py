@@ -193,7 +193,8 @@ class RequestSlots:
         self._params[slot] = params
         row = SamplingBatch.of([params])
         for name in ("temperature", "top_k", "top_p", "seed"):
-            getattr(self._sampling, name)[slot] = getattr(row, name)[0]
+            # a Python number is a fill launch; a CPU tensor would be a copy that waits for the device
+            getattr(self._sampling, name)[slot] = getattr(row, name)[0].item()
 
     @property
     def buffers(self) -> list[torch.Tensor]:

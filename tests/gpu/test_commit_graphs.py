@@ -190,8 +190,14 @@ def _iteration_without_sync(rank: int, world: int) -> dict:
             assert sorted(proposal.drafts) == ids
         torch.cuda.synchronize()
         expected = [40 + r + sum(1 + (s + r) % B for s in range(20)) for r in ids]
-        return {"host": [runtime.pool.length(r) for r in ids], "device": runtime.pool.lengths[: len(ids)].tolist(),
-                "expected": expected}
+        report = {"host": [runtime.pool.length(r) for r in ids], "device": runtime.pool.lengths[: len(ids)].tolist(),
+                  "expected": expected}
+        torch.cuda.set_sync_debug_mode("error")
+        try:  # a finished request's slot goes back without waiting for the device (sampled: its params reset)
+            runtime.release(ids[-1])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return report
     finally:
         runtime.close()
 
