@@ -312,13 +312,18 @@ class DraftRuntime:
             when the gathered step ids or counts differ from the engine's (a debugging aid: it
             costs the collective the counts save).
 
-        Raises RequestError / ParallelError naming this rank when `counts` contradicts its own
-        anchors or the DP group; ParallelError naming the lost peer(s), this step and phase when a
-        collective fails because a peer died or stalled.
+        The drafts are views of the step's outputs: under CUDA graphs the next `propose` of the same
+        batch bucket overwrites them (copy what must outlive it).
+
+        Raises RequestError naming requests in `anchors` never added on this rank, after the step
+        (their rows ran as padding: the group's collectives stay in step, the other requests'
+        drafts are lost with the error); RequestError / ParallelError / StepMismatch naming this
+        rank when `counts` contradicts its anchors, the DP group or (`check_counts`) the gathered
+        counts: fatal to the group, whose ranks then fail naming this rank's reason;
+        ParallelError naming the lost peer(s), this step and phase when a collective fails
+        because a peer died or stalled.
         """
         missing = [r for r in anchors if r not in self.pool]
-        if missing:
-            raise RequestError(f"propose: requests {missing} were never added on this rank")
         rows = len(anchors) * self.block_size
         try:
             if counts is None:
@@ -331,16 +336,18 @@ class DraftRuntime:
                 return Proposal(plan, {})
             self.watchdog.progress(step, "draft propose")
             ids = list(anchors)
-            slots = [self.pool.slot(r) for r in ids]
-            readout = self.pool.readout(ids)
+            # a request never added runs as a padding row (the pad slot, anchor 0), raised after the step
+            slots = [self.pool.pad_slot if r in missing else self.pool.slot(r) for r in ids]
+            tokens = [0 if r in missing else anchors[r] for r in ids]
+            readout = self.pool.readout([r for r in ids if r not in missing])
             if self.graphs is not None:
                 with self._phase("draft_step_graph"):
-                    out = self.graphs.run(slots, [anchors[r] for r in ids], plan, readout=readout)
+                    out = self.graphs.run(slots, tokens, plan, readout=readout)
             else:
                 with self._phase("draft_attention"):
                     device = self.draft.device
                     slots_N = torch.tensor(slots, dtype=torch.long, device=device)
-                    anchors_N = torch.tensor([anchors[r] for r in ids], dtype=torch.long, device=device)
+                    anchors_N = torch.tensor(tokens, dtype=torch.long, device=device)
                     out = self.draft.step(self.pool, slots_N, anchors_N, self.heads, plan, readout=readout)
         except EpdraftError:
             raise
@@ -349,7 +356,11 @@ class DraftRuntime:
             if lost is None:
                 raise
             raise self._failed(lost) from e
-        self._keep_flags(step, out.finite_L)
+        if ids:  # an idle rank's step drafts nothing: no flags to check
+            self._keep_flags(step, out.finite_L)
+        if missing:
+            raise RequestError(f"propose, step {step}: requests {missing} were never added on this rank (their rows "
+                               "ran as padding, so the group's collectives stayed in step)")  # fmt: skip
         confidence = {} if out.confidence_NK is None else {r: out.confidence_NK[i] for i, r in enumerate(ids)}
         probs = {} if out.probs_NKV is None else {r: out.probs_NKV[i] for i, r in enumerate(ids)}
         return Proposal(plan, {r: out.drafts_NK[i] for i, r in enumerate(ids)}, confidence, probs)
@@ -358,6 +369,14 @@ class DraftRuntime:
         self, step: int, rows: int, counts: Sequence[int], extras: tuple[int, ...], check: bool
     ) -> StepPlan:
         """The step's plan from the engine's agreed row counts, checked against what this rank knows."""
+        try:
+            return self._checked_engine_plan(step, rows, counts, extras, check)
+        except EpdraftError as e:  # the group's ranks may not agree on the plan: none may step
+            raise self._failed(e) from None
+
+    def _checked_engine_plan(
+        self, step: int, rows: int, counts: Sequence[int], extras: tuple[int, ...], check: bool
+    ) -> StepPlan:
         ranks, me = self.coordinator.ranks, self.coordinator.rank
         if len(counts) != len(ranks):
             raise ParallelError(
@@ -428,14 +447,20 @@ class DraftRuntime:
         Under graphs the rows go through the commit's CUDA graph of the requests' bucket: with
         `result.commit_lens` on the host (as an engine has them) nothing waits for the device.
         Raises RequestError naming draft.max_context (before writing anything) when a request's
-        rows do not fit; NonFiniteError naming the step and draft layer whose hidden states went
-        NaN or inf, once that step's flags (from `propose`) have reached the host.
+        rows do not fit, and when the feature rows are not sum(commit_lens); NonFiniteError naming
+        the step and draft layer whose hidden states went NaN or inf, once that step's flags (from
+        `propose`) have reached the host.
         """
         self._check_flags(f"{len(result.request_ids)} requests verified")
         ids = list(result.request_ids)
         if not ids:
             return
         counts = result.commit_lens.tolist()
+        if result.features.shape[0] != sum(counts):
+            raise RequestError(
+                f"commit: {result.features.shape[0]} feature rows for commit_lens {counts} (sum {sum(counts)}): "
+                "the rows of each request, packed in request order, one per committed token"
+            )
         with self._phase("draft_context"):
             if self.commit_graphs is None:  # the packed rows as they come: no per-request split
                 write = functools.partial(self.draft.write_context, self.pool)

@@ -201,3 +201,74 @@ def test_engine_counts_that_contradict_the_rank_or_group_are_refused_naming_the_
         assert out["checked"] == (8, 8)
         assert out["mismatch"] == (f"rank {rank}, step 1: the engine's counts {[8, 0] if rank == 0 else [0, 8]} "
                                    "differ from the gathered [8, 8] (ranks [0, 1])")  # fmt: skip
+
+
+def _group_faults(rank: int, world: int) -> dict:
+    """Rank 0 names a request it never added, then passes counts wrong about itself; rank 1 is idle."""
+    runtime, target, group = _runtime(rank, world, "alltoall", 1)
+    B = runtime.block_size
+    anchors = {}
+    if rank == 0:
+        pre = target.prefill([0], [PROMPTS[0]])
+        runtime.add_request(0, pre.features)
+        anchors = {0: int(pre.first_tokens[0]), 7: 5}  # 7 was never added
+    out = {"drafted": []}
+    for step in range(3):  # every rank still enters every MoE collective: the steps stay paired
+        counts = [2 * B, 0]
+        try:
+            proposal = runtime.propose(step, anchors, counts=counts)
+            out["drafted"].append(sorted(proposal.drafts))
+        except RequestError as e:
+            out["missing"] = str(e)
+            out["drafted"].append("raised")
+    out["idle_flags"] = len(runtime._flags)
+    if rank == 0:
+        with pytest.raises(RequestError):
+            runtime.propose(3, anchors, counts=[B, 0])  # 2 anchors: fatal, told to the peers
+    dist.barrier(group)
+    if rank == 1:
+        lost = runtime.watchdog.lost_error(RuntimeError("Connection reset by peer"), what="the next collective")
+        out["named"] = str(lost)
+    dist.barrier(group)
+    runtime.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_with_a_bad_request_keeps_the_group_in_step_and_bad_counts_are_told_to_the_peers():
+    """A request never added on one rank: its rows run as padding and the error comes after the
+    step, so the ranks' MoE collectives stay paired step after step (rank 1, idle, would else pair
+    its step s with rank 0's s + 1). Counts that contradict the rank are fatal, and the peers name
+    the rank and its reason. An idle rank keeps no finite flags (it drafts nothing to check)."""
+    zero, one = run_ranks(2, _group_faults, timeout_s=100)
+    assert zero["drafted"] == ["raised"] * 3 and one["drafted"] == [[], [], []]
+    assert zero["missing"] == ("propose, step 2: requests [7] were never added on this rank (their rows ran as "
+                               "padding, so the group's collectives stayed in step)")  # fmt: skip
+    assert one["idle_flags"] == 0 and zero["idle_flags"] == 3
+    # named with the last step and phase rank 0 reported, and its reason
+    assert one["named"].startswith("rank 0 failed at step 2, phase draft layer 1 MoE: rank 0, step 3: the engine's "
+                                   "count for this rank is 8 rows, but it passed 2 anchors = 16 rows")  # fmt: skip
+
+
+def _short_commit(rank: int, world: int) -> tuple[str, int, int]:
+    import dataclasses
+
+    runtime, target, _ = _runtime(rank, world, "alltoall", 1)
+    pre = target.prefill([0], [PROMPTS[0]])
+    runtime.add_request(0, pre.features)
+    proposal = runtime.propose(0, {0: int(pre.first_tokens[0])})
+    result = target.verify([0], torch.cat([pre.first_tokens[:1], proposal.drafts[0]]).unsqueeze(0))
+    before = runtime.pool.length(0)
+    with pytest.raises(RequestError) as e:
+        runtime.commit(dataclasses.replace(result, features=result.features[1:]))
+    after = runtime.pool.length(0)
+    runtime.close()
+    return str(e.value), before, after
+
+
+def test_a_commit_whose_rows_are_not_its_commit_lens_is_refused_before_writing():
+    """The feature rows must be sum(commit_lens), packed: fewer would put stale rows into a
+    request's context under graphs (the commit's static rows) and split wrongly without."""
+    message, before, after = run_ranks(1, _short_commit, timeout_s=100)[0]
+    assert message.startswith("commit: ") and "feature rows for commit_lens [" in message
+    assert after == before
