@@ -46,7 +46,7 @@ import msgspec
 import torch.distributed as dist
 
 from epdraft.errors import ParallelError
-from epdraft.parallel import exchange
+from epdraft.parallel import exchange, p2p
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,9 @@ _COMM_FAILURE = re.compile(
 # progress() beats at once, but no more often than this (a step reports a phase per MoE layer).
 _MIN_BEAT_GAP_S = 0.02
 # Where a main thread waits on its peers: torch.distributed's Python (every blocking collective
-# and p2p call sits in one of its frames) and the CPU step sync's store exchange.
-_WAIT_FILES = (os.path.dirname(dist.__file__) + os.sep, exchange.__file__)
+# and p2p call sits in one of its frames), the CPU step sync's store exchange, and the paired
+# ranks' point-to-point waits (a Work's wait is C++: its caller's frame is the innermost).
+_WAIT_FILES = (os.path.dirname(dist.__file__) + os.sep, exchange.__file__, p2p.__file__)
 # Every watchdog of a process gets the next number; ranks create theirs in the same order, so
 # the n-th watchdogs of every rank share keys and a later one never reads an earlier one's beats.
 _GENERATION = itertools.count()

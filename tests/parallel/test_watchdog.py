@@ -236,3 +236,24 @@ def test_a_killed_rank_is_named_with_the_step_and_phase_it_last_reported(tmp_pat
     for rank in (0, 1):
         message = (tmp_path / f"rank{rank}").read_text()
         assert message.startswith("lost rank 2 (heartbeat gone, last at step 9, phase draft layer 2 MoE): "), message
+
+
+def test_a_rank_blocked_in_a_point_to_point_wait_counts_as_waiting():
+    """A paired rank blocked on its peer (a target still loading before its Hello): the watchdog
+    reads the innermost Python frame of its main thread, and a Work's wait is C++, so that frame
+    is `p2p.wait`'s, which must count as waiting on peers, not as stuck."""
+    import functools
+    import sys
+    import threading
+
+    from epdraft.parallel import p2p, watchdog
+
+    class _Work:  # its wait, like a c10d Work's, runs no Python
+        wait = functools.partial(time.sleep, 0.5)
+
+    blocked = threading.Thread(target=p2p.wait, args=(_Work(), "a test"))
+    blocked.start()
+    time.sleep(0.2)
+    frame = sys._current_frames()[blocked.ident]
+    blocked.join()
+    assert frame.f_code.co_filename == p2p.__file__ and frame.f_code.co_filename.startswith(watchdog._WAIT_FILES)

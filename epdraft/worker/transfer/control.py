@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from epdraft.errors import ParallelError
+from epdraft.parallel.p2p import start, wait
 from epdraft.worker.transfer.base import BufferSpec
 
 HELLO_FRAME_BYTES = 1024
@@ -39,23 +40,6 @@ class Credit(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     """Receiver -> sender: my buffer for you is free, write message number `seq` into it."""
 
     seq: int
-
-
-def start(post: Callable[[], dist.Work], what: str) -> dist.Work:
-    """Post a point-to-point op; a peer already gone (gloo refuses the post itself, not only the
-    wait, when the peer closed first) becomes a ParallelError naming `what`."""
-    try:
-        return post()
-    except RuntimeError as e:
-        raise ParallelError(f"{what} failed: {e}") from e
-
-
-def wait(work: dist.Work, what: str) -> None:
-    """Wait on `work`; a peer that died or timed out becomes a ParallelError naming `what`."""
-    try:
-        work.wait()
-    except RuntimeError as e:
-        raise ParallelError(f"{what} failed: {e}") from e
 
 
 class ControlChannel:
