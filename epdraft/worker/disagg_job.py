@@ -85,9 +85,9 @@ def run_disaggregated(
     rank = dist.get_rank()
     control = Groups.pair_control(pc)
     transfer_group = control if pc.placement.transfer == "mooncake" else dist.group.WORLD
-    transport = make_transport(
-        pc.placement.transfer, transfer_group, device=setup.device, hostname=_this_host(job.master_addr)
-    )
+    mooncake = pc.placement.transfer == "mooncake"  # only its endpoint is an address peers dial
+    transport = make_transport(pc.placement.transfer, transfer_group, device=setup.device,
+                               **({"hostname": this_host(job.master_addr)} if mooncake else {}))  # fmt: skip
     spec = setup.spec
     link = PeerLink(ControlChannel(control, torch.device("cpu"), use_tags=True), transport,
                     role="draft" if groups is not None else "target", block_size=spec.num_drafts + 1)  # fmt: skip
@@ -186,10 +186,31 @@ def _target_reports(pc: ParallelConfig, reports: list[RankReport]) -> list[RankR
     return out
 
 
-def _this_host(master_addr: str) -> str:
+_ANY_REMOTE = "10.255.255.255"  # an address off this host: the route to it is the default one
+
+
+def this_host(master_addr: str) -> str:
     """The address paired ranks reach this rank at (Mooncake's endpoint): loopback when the world's
     master (`master_addr`, the launcher's `--master-addr`) is loopback, since then every rank is on
-    this host."""
+    this host; else this host's address on its route to the master (the interface the other hosts
+    reached the master through), or on the master's own host (whose name may resolve to loopback
+    there: stock Debian / Ubuntu map the hostname to 127.0.1.1) on its default route.
+
+    Raises ConfigError naming --master-addr when neither route leaves this host.
+    """
     if is_loopback(master_addr):
         return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+    found = []
+    for destination in (master_addr, _ANY_REMOTE):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((destination, 1))  # a datagram socket's connect picks the route; nothing is sent
+                address = probe.getsockname()[0]
+        except OSError as e:
+            found.append(f"to {destination}: {e}")
+            continue
+        if not is_loopback(address):
+            return address
+        found.append(f"to {destination}: loopback {address}")
+    raise ConfigError(f"--master-addr {master_addr}: no address of this host that paired ranks on other hosts can "
+                      f"dial (routes {'; '.join(found)})")  # fmt: skip

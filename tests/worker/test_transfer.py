@@ -224,3 +224,52 @@ def test_a_peer_gone_before_the_post_is_named(monkeypatch):
         channel.recv(1, StepPayloadMeta, 64)
     with pytest.raises(ParallelError, match="control message to rank 1 failed"):
         channel.post(1, StepPayloadMeta(step=0, num_rows=0, feature_dim=8, dtype="bfloat16", accept_lens=[], bonus_tokens=[]), 64)
+
+
+class _Probe:
+    """A datagram socket whose route to each destination is the test's (`routes`: address, or an OSError)."""
+
+    routes: dict = {}
+
+    def __init__(self, *args):
+        self.destination = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def connect(self, address):
+        route = self.routes[address[0]]
+        if isinstance(route, OSError):
+            raise route
+        self.destination = address[0]
+
+    def getsockname(self):
+        return (self.routes[self.destination], 0)
+
+
+@pytest.mark.parametrize("routes,expected", [
+    ({"10.0.0.5": "10.0.0.7"}, "10.0.0.7"),  # this host's address on its route to the master
+    # the master's own host, its name resolving to 127.0.1.1 there: the default route's address
+    ({"node0": "127.0.0.1", "10.255.255.255": "10.0.0.5"}, "10.0.0.5"),
+    ({"node0": OSError("unreachable"), "10.255.255.255": "127.0.0.1"}, None),
+])  # fmt: skip
+def test_the_mooncake_endpoint_is_an_address_other_hosts_can_dial(monkeypatch, routes, expected):
+    """Not the hostname's address (stock Debian / Ubuntu map it to 127.0.1.1): the peers on the
+    other host would dial their own loopback at step 0."""
+    from epdraft.errors import ConfigError
+    from epdraft.worker import disagg_job
+
+    monkeypatch.setattr(_Probe, "routes", routes)
+    monkeypatch.setattr(disagg_job.socket, "socket", _Probe)
+    master = next(iter(routes))
+    assert disagg_job.this_host("127.0.0.1") == "127.0.0.1"
+    if expected is not None:
+        assert disagg_job.this_host(master) == expected
+        return
+    with pytest.raises(ConfigError, match=r"--master-addr node0: no address of this host that paired ranks on other "
+                                          r"hosts can dial \(routes to node0: unreachable; to 10.255.255.255: "
+                                          r"loopback 127.0.0.1\)"):  # fmt: skip
+        disagg_job.this_host(master)
