@@ -12,9 +12,10 @@ from an idle GPU, so the host's launches are in it; `device ms` (and `prop dev`,
 `propose`) is the graph iteration again queued behind a sleep kernel (`bench.step.device_ms`): the
 device's time alone, what an engine whose host runs ahead of the GPU pays.
 
-Floors are max(bytes / copy bandwidth, FLOPs / 700 TFLOP/s) from the shapes (the copy bandwidth
-measured on this kind of GPU, `bench.ceilings`): `propose floor` is `bench step`'s (the weights the
-step reads, the experts its routing picked, the lm_head, the context read); the iteration's adds
+Floors are max(bytes / copy bandwidth, FLOPs / matrix rate) from the shapes (both measured on this
+kind of GPU: `bench.ceilings`, `bench.step.TENSOR_FLOPS`): `propose floor` is `bench step`'s (the
+weights the step reads, the experts its routing picked, the lm_head, the K/V it reads and writes,
+over the context the commit left: `context` + its mean rows); the iteration's adds
 what only the commit touches: the features' projection (fc / main_proj), the committed rows'
 features read and their K/V written to the pool (the K/V projections both read are counted once).
 `op floor` takes that max per op (each weight matrix, each layer's experts, the context read, the
@@ -171,8 +172,9 @@ def main(args: argparse.Namespace) -> int:
                                                      args.profile)  # fmt: skip
                 reset()
                 touched = touched_experts(draft, lambda: draft.step(pool, slots_N, anchors_N, heads, plan))
-            propose_costs = step_costs(draft, heads, n, context, touched)
             mean_rows = sum(sum(c) for c, _ in outcomes) / len(outcomes)
+            # the step after the commit reads its rows too: context + the commit's rows per request
+            propose_costs = step_costs(draft, heads, n, context + mean_rows / n, touched)
             costs = propose_costs + [commit_cost(draft, pool, mean_rows)]
             floor_s, nbytes, flops = whole_floor_seconds(costs, bytes_per_s)
             floor = floor_s * 1e3

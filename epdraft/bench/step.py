@@ -8,10 +8,12 @@ pooled step replayed from a CUDA graph; `no-pdl`, the same graph captured with p
 dependent launch off (`epdraft.kernels.launch`: on by default on sm_90+); `sampled`, the graph of
 the sampled readout with every request at `--temperature` (`--top-k`, `--top-p`): what sampling
 adds to a step, timed alternately with the greedy graph (`sampled/graph` is over that greedy
-time, not the `graph` column's). The floor is max(bytes / copy bandwidth, FLOPs / 700 TFLOP/s)
-counted from the shapes (the copy bandwidth measured on this kind of GPU, `bench.ceilings`): the
+time, not the `graph` column's). The floor is max(bytes / copy bandwidth, FLOPs / matrix rate)
+counted from the shapes (both measured on this kind of GPU: `bench.ceilings`, TENSOR_FLOPS): the
 draft's non-expert weights, the experts the step's routing picked (counted in one eager step:
-random weights route unevenly), the lm_head, and the context K/V read; `op floor` takes that max
+random weights route unevenly), the lm_head (its FLOPs over the drafting rows), the context K/V
+read and the block's K/V written; not the logits nor the layers' activations (a few MB a layer,
+which the L2 can hold: a fused lm_head + argmax would not write the logits); `op floor` takes that max
 per op and sums it (`op_floor_seconds`: kernels that run one after another cannot overlap the
 FLOP-bound projections with the byte-bound experts). `kernels` is the eager
 pooled step's CUDA kernel count and `busy ms` their summed device time (torch profiler, launched
@@ -59,7 +61,9 @@ from epdraft.errors import ConfigError
 from epdraft.kernels import launch
 from epdraft.sampling import Readout, seeded
 
-TENSOR_FLOPS = 700e12  # bf16 dense, sustained
+# bf16 dense matrix rate: an 8192^3 product on random data ran at 769-798 TFLOP/s on the H100s and
+# 788 on the H200 here (the device library's KINDS.md); the datasheets' 989 is not reached
+TENSOR_FLOPS = 790e12
 
 PRESETS: dict[str, dict] = {
     "issue13": dict(hidden=4096, heads=32, kv_heads=8, layers=5, experts=8, moe_intermediate=1536, top_k=2,
@@ -224,8 +228,8 @@ def step_costs(
             costs.append((hit * expert_bytes(m.experts),
                           2.0 * rows * K * 3 * m.experts.shard.slice_size * m.experts.shard.hidden_size))  # fmt: skip
     costs.append(_context_read(draft, n, context))
-    head = heads.head.weight
-    costs.append((head.numel() * head.element_size(), 2.0 * rows * head.numel()))
+    head = heads.head.weight  # over the drafting rows only (`draft_rows`: B - 1 of a mask-filling block)
+    costs.append((head.numel() * head.element_size(), 2.0 * n * spec.num_drafts * head.numel()))
     return costs
 
 
@@ -251,9 +255,9 @@ def touched_experts(draft, step) -> list[int]:
 
 
 def _context_read(draft, n: int, context: int) -> tuple[int, float]:
-    """(bytes of context K/V the step reads, attention FLOPs) for n requests of `context` rows: a
-    DFlash layer reads K and V of every row (g heads); a DeepSeek DSpark layer reads the one K=V row
-    of the last `window` positions only."""
+    """(bytes of K/V the step moves, attention FLOPs) for n requests of `context` rows: each layer
+    writes its block's B rows and reads them with the context's, a DFlash layer K and V of every
+    row (g heads), a DeepSeek DSpark layer the one K=V row of the last `window` positions only."""
     spec, B, L = draft.spec, draft.block_size, draft.spec.num_layers
     itemsize = next(draft.parameters()).element_size()
     if spec.deepseek is not None:
@@ -263,7 +267,7 @@ def _context_read(draft, n: int, context: int) -> tuple[int, float]:
         attn = draft.layers[0].self_attn
         row_bytes, keys = 2 * attn.num_kv_heads * attn.head_dim * itemsize, context + B
         seen = keys
-    return L * n * seen * row_bytes, L * 4.0 * n * B * keys * spec.num_heads * spec.head_dim
+    return L * n * (seen + B) * row_bytes, L * 4.0 * n * B * keys * spec.num_heads * spec.head_dim
 
 
 def time_alternately_ms(fns, steps: int, warmup: int, before=None) -> list[float]:

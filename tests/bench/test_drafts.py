@@ -88,7 +88,8 @@ def test_floor_counts_the_bytes_the_quantized_step_reads():
     per_expert = 3 * I * H // 2 + 3 * I * H // 32  # e2m1 pairs + one e8m0 byte per 32 weights, gate/up and down
     non_expert = sum(p.numel() * 4 for name, p in twin.named_parameters()
                      if ".experts." not in name and not name.startswith("main_proj."))  # fmt: skip
-    context_rows = L * n * W * 16 * 4  # the window's one K=V row of head_dim 16, fp32
+    # the window's one K=V row of head_dim 16, fp32, read, and the block's 5 written
+    context_rows = L * n * (W + spec.block_size) * 16 * 4
     assert nbytes == non_expert + sum(touched) * per_expert + context_rows + V * H * 4
     _, plain_bytes, plain_flops = floor_seconds(plain, heads, n, context, RATE, touched)
     assert plain_bytes - nbytes == sum(touched) * (3 * I * H * 4 - per_expert)
