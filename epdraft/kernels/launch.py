@@ -64,14 +64,21 @@ def pdl_off() -> Iterator[None]:
         _enabled = before
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """`device` with its index: `cuda` and `cuda:0` name one device but compare and hash apart."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _second_stream(device: torch.device) -> torch.cuda.Stream:
-    """The one second stream of a CUDA device, however it is named (`cuda` and `cuda:0` are one device)."""
-    return _second_stream_of(device.index if device.index is not None else torch.cuda.current_device())
+    """The one second stream of a CUDA device, however it is named."""
+    return _stream_of(_indexed(device))
 
 
 @functools.lru_cache(maxsize=None)
-def _second_stream_of(index: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(torch.device("cuda", index))
+def _stream_of(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 class Fork:
@@ -106,8 +113,7 @@ def zeroed_counts(owner: str, device: torch.device, size: int) -> torch.Tensor:
             once the graph replays: launches before that would read garbage counts).
         ConfigError: more than the `size` of the owner's first use asked for.
     """
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _indexed(device)
     side = device.type == "cuda" and torch.cuda.current_stream(device) == _second_stream(device)
     key = (owner, device, side)
     if key not in _counts:

@@ -150,7 +150,7 @@ class StepGraphs:
                     "layers communicate, so every rank captures every graph at start-up; call DraftRuntime.warm_up "
                     "on every rank before the first step"
                 )
-            captured = self._capture(b, readout, plan, slots, anchors)
+            captured = self._capture(b, readout, plan.step, plan.ranks, slots, anchors)
         captured.inputs.write([(slots, self.pad_slot), (anchors, 0)])
         captured.graph.replay()
         return captured.first(len(slots))
@@ -159,11 +159,12 @@ class StepGraphs:
         """Capture bucket `b`'s graph for `readout` now, over padding rows, unless it already is
         (start-up: where the MoE layers communicate, every rank of `ranks` at the same point)."""
         if (b, readout) not in self._captured:
-            plan = StepPlan(step=-1, ranks=ranks, counts=(b * self.block_size,) * len(ranks))
-            self._capture(b, readout, plan, [], [])
+            self._capture(b, readout, -1, ranks, [], [])
 
-    def _capture(self, b: int, readout: Readout, plan: StepPlan, slots: list[int], anchors: list[int]) -> _Captured:
-        bucket_plan = StepPlan(step=plan.step, ranks=plan.ranks, counts=(b * self.block_size,) * len(plan.ranks))
+    def _capture(
+        self, b: int, readout: Readout, step: int, ranks: tuple[int, ...], slots: list[int], anchors: list[int]
+    ) -> _Captured:
+        bucket_plan = StepPlan(step=step, ranks=ranks, counts=(b * self.block_size,) * len(ranks))
         pad = b - len(slots)
         inputs = _Inputs.of([list(slots) + [self.pad_slot] * pad, list(anchors) + [0] * pad], self.device)
         slots_d, anchors_d = inputs.device[0], inputs.device[1]

@@ -9,7 +9,7 @@ reused; a frame is rewritten only after its previous send completed.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Mapping, TypeVar
+from typing import Mapping, TypeVar
 
 import msgspec
 import torch

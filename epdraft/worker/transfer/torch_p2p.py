@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from epdraft.errors import ConfigError, ParallelError
-from epdraft.worker.transfer.base import BufferSpec, StepPayload, StepPayloadMeta, check_meta, check_payload
 from epdraft.parallel.p2p import start, wait
+from epdraft.worker.transfer.base import BufferSpec, StepPayload, StepPayloadMeta, check_meta, check_payload
 from epdraft.worker.transfer.control import HELLO_FRAME_BYTES, ControlChannel, Hello
 
 logger = logging.getLogger(__name__)
