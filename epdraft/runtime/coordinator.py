@@ -15,7 +15,10 @@ since gloo's all-gather is a ring of 2(W-1) dependent rounds.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import struct
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,8 +31,18 @@ from epdraft.parallel.groups import Groups
 log = logging.getLogger(__name__)
 
 
+def counts_digest(counts: Sequence[int]) -> int:
+    """A 56-bit digest of a row-count list, the same on every host (Python's hash is not
+    guaranteed to be): what a rank sends for "the counts my engine passed"."""
+    packed = struct.pack(f"<{len(counts)}q", *counts)
+    return int.from_bytes(hashlib.blake2b(packed, digest_size=7).digest(), "little")
+
+
+NO_DIGEST = -1  # a rank that checks no engine counts this step
+
+
 class StepCoordinator:
-    """Gathers `[step, rows, *extras]` from every rank of `group` in one exchange.
+    """Gathers `[step, rows, counts digest, *extras]` from every rank of `group` in one exchange.
 
     Args:
         group: the ranks that must agree (for the draft: every rank whose MoE groups it feeds).
@@ -47,7 +60,7 @@ class StepCoordinator:
         self.device = torch.device(device)
         self.ranks = tuple(dist.get_process_group_ranks(group))
         self.rank = dist.get_rank()
-        width = 2 + num_extras
+        width = 3 + num_extras
         if self.device.type != "cpu":
             self._exchange = DeviceExchange(group, device=self.device, width=width)
         elif shared_memory_ok():
@@ -64,14 +77,22 @@ class StepCoordinator:
             return cls(groups.attn_dp, num_extras=num_extras, device=device)
         return cls(groups.cpu, num_extras=num_extras)
 
-    def sync(self, step: int, local_rows: int, extras: tuple[int, ...] = ()) -> StepPlan:
+    def sync(
+        self, step: int, local_rows: int, extras: tuple[int, ...] = (), expected: Sequence[int] | None = None
+    ) -> StepPlan:
         """Agree on this step's row counts; every rank of the group must call it once per step.
+
+        `expected`: the counts this rank's engine says the group agreed on (group order). Its digest
+        travels in the same exchange, so a disagreement is seen by every rank at once, even when
+        only one engine got it wrong (each rank comparing its own list would leave the others
+        stepping into a collective the wrong one never joins).
 
         Returns:
             StepPlan with every rank's count (and extras) in group order.
         Raises:
             StepMismatch: on every rank, when the ranks passed different step ids (names each
-                rank and its step id).
+                rank and its step id), or when a rank's `expected` differs from the gathered counts
+                (names those ranks; on each of them, the list its engine passed).
             ParallelError: local_rows < 0 or len(extras) != num_extras on this rank (a caller bug;
                 raised before the exchange, so the other ranks fail at the store's or the group's
                 timeout, or are told by the watchdog).
@@ -82,7 +103,8 @@ class StepCoordinator:
             raise ParallelError(
                 f"rank {self.rank}: step {step} passed {len(extras)} extras, StepCoordinator expects {self.num_extras}"
             )
-        rows = self._exchange.all_gather([step, local_rows, *extras])
+        digest = NO_DIGEST if expected is None else counts_digest(expected)
+        rows = self._exchange.all_gather([step, local_rows, digest, *extras])
         steps = [r[0] for r in rows]
         if any(s != step for s in steps):
             by_rank = ", ".join(f"rank {rank}: {s}" for rank, s in zip(self.ranks, steps))
@@ -91,8 +113,16 @@ class StepCoordinator:
             step=step,
             ranks=self.ranks,
             counts=tuple(r[1] for r in rows),
-            extras=tuple(r[2:] for r in rows) if self.num_extras else (),
+            extras=tuple(r[3:] for r in rows) if self.num_extras else (),
         )
+        gathered = counts_digest(plan.counts)
+        wrong = [rank for rank, r in zip(self.ranks, rows) if r[2] not in (NO_DIGEST, gathered)]
+        if wrong:
+            mine = f"; this rank's engine passed {list(expected)}" if self.rank in wrong else ""
+            raise StepMismatch(
+                f"rank {self.rank}, step {step}: the engine's counts on ranks {wrong} differ from the gathered "
+                f"{list(plan.counts)} (ranks {list(self.ranks)}){mine}"
+            )
         if plan.skip:
             log.debug("step %d: every rank has 0 rows, skipping", step)
         return plan

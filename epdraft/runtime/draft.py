@@ -45,7 +45,7 @@ import torch.distributed as dist
 from epdraft.config.parallel import DEFAULT_HANG_TIMEOUT_S, ParallelConfig
 from epdraft.config.sampling import SamplingParams
 from epdraft.dispatch import MoeLayout, StepPlan, make_dispatcher
-from epdraft.errors import ConfigError, EpdraftError, NonFiniteError, ParallelError, RequestError, StepMismatch
+from epdraft.errors import ConfigError, EpdraftError, NonFiniteError, ParallelError, RequestError
 from epdraft.layers.moe import DraftMoE
 from epdraft.layers.step_kernels import StepKernels, default_dtype, log_choice
 from epdraft.models.checkpoint import load_draft, read_draft_spec
@@ -309,8 +309,10 @@ class DraftRuntime:
             group (`plan.ranks`). The step then issues no collective but its MoE dispatch. None:
             the coordinator's sync gathers them (with the step id, checked, and `extras`).
         check_counts: with `counts`, run the coordinator's sync anyway and raise StepMismatch
-            when the gathered step ids or counts differ from the engine's (a debugging aid: it
-            costs the collective the counts save).
+            on every rank when the gathered step ids differ, or the gathered counts differ from
+            any rank's engine's (the sync carries a digest of each rank's `counts`: one engine
+            wrong fails the whole group at once; a debugging aid: it costs the collective the
+            counts save).
 
         The drafts are views of the step's outputs: under CUDA graphs the next `propose` of the same
         batch bucket overwrites them (copy what must outlive it).
@@ -318,8 +320,8 @@ class DraftRuntime:
         Raises RequestError naming requests in `anchors` never added on this rank, after the step
         (their rows ran as padding: the group's collectives stay in step, the other requests'
         drafts are lost with the error); RequestError / ParallelError / StepMismatch naming this
-        rank when `counts` contradicts its anchors, the DP group or (`check_counts`) the gathered
-        counts: fatal to the group, whose ranks then fail naming this rank's reason;
+        rank when `counts` contradicts its anchors or the DP group, StepMismatch naming the ranks
+        whose `counts` contradict the gathered ones (`check_counts`): fatal to the group, whose ranks then fail naming this rank's reason;
         ParallelError naming the lost peer(s), this step and phase when a collective fails
         because a peer died or stalled.
         """
@@ -405,13 +407,7 @@ class DraftRuntime:
             return StepPlan(step=step, ranks=ranks, counts=counts)
         self.watchdog.progress(step, "step sync (checking the engine's counts)")
         with self._phase("sync"):
-            gathered = self.coordinator.sync(step, rows, extras)
-        if gathered.counts != counts:
-            raise StepMismatch(
-                f"rank {me}, step {step}: the engine's counts {list(counts)} differ from the gathered "
-                f"{list(gathered.counts)} (ranks {list(ranks)})"
-            )
-        return gathered
+            return self.coordinator.sync(step, rows, extras, expected=counts)
 
     def _failed(self, error: EpdraftError) -> EpdraftError:
         """Tell the peers why this rank fails (they name it rather than calling it gone); return `error`."""

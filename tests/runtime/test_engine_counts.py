@@ -177,11 +177,12 @@ def _bad_counts(rank: int, world: int) -> dict:
     # check_counts: the coordinator's sync runs too and the engine's counts must equal it.
     plan = runtime.propose(0, anchors, counts=[B, B], check_counts=True).plan
     out["checked"] = plan.counts
-    try:
-        runtime.propose(1, anchors, counts=[B, 0] if rank == 0 else [0, B], check_counts=True)
-        out["mismatch"] = None
-    except StepMismatch as e:
-        out["mismatch"] = str(e)
+    for step, counts in [(1, [B, 0] if rank == 0 else [0, B]), (2, [B, 0] if rank == 0 else [B, B])]:
+        try:  # both engines wrong; then rank 0's alone: rank 1 must not step into the dispatch
+            runtime.propose(step, anchors, counts=counts, check_counts=True)
+            out[f"mismatch {step}"] = None
+        except StepMismatch as e:
+            out[f"mismatch {step}"] = str(e)
     runtime.close()
     return out
 
@@ -199,8 +200,12 @@ def test_engine_counts_that_contradict_the_rank_or_group_are_refused_naming_the_
         assert out["negative"].startswith(f"rank {rank}, step 0: the engine's count for rank {1 - rank} is -8 rows")
         assert "extras travel in the coordinator's sync" in out["extras"]
         assert out["checked"] == (8, 8)
-        assert out["mismatch"] == (f"rank {rank}, step 1: the engine's counts {[8, 0] if rank == 0 else [0, 8]} "
-                                   "differ from the gathered [8, 8] (ranks [0, 1])")  # fmt: skip
+        assert out["mismatch 1"] == (f"rank {rank}, step 1: the engine's counts on ranks [0, 1] differ from the "
+                                     "gathered [8, 8] (ranks [0, 1]); this rank's engine passed "
+                                     f"{[8, 0] if rank == 0 else [0, 8]}")  # fmt: skip
+        assert out["mismatch 2"] == (f"rank {rank}, step 2: the engine's counts on ranks [0] differ from the "
+                                     "gathered [8, 8] (ranks [0, 1])" + ("; this rank's engine passed [8, 0]"
+                                                                         if rank == 0 else ""))  # fmt: skip
 
 
 def _group_faults(rank: int, world: int) -> dict:
