@@ -109,7 +109,7 @@ class PeerLink:
         """Tell the paired draft rank how much room this target needs, then register the transport."""
         try:
             self.channel.send(draft, Hello(rank=self.rank, spec=spec), HELLO_FRAME_BYTES, _SPEC_TAG)
-            self.transport.register({draft: spec})
+            self.transport.register({draft: spec}, "send")
         except (ParallelError, RuntimeError) as e:
             raise self._failed(draft, None, e) from e
         self.specs[draft] = spec
@@ -123,7 +123,7 @@ class PeerLink:
                 raise self._failed(t, None, e) from e
             self.specs[t] = hello.spec
         try:
-            self.transport.register(dict(self.specs))
+            self.transport.register(dict(self.specs), "recv")
         except (ParallelError, RuntimeError) as e:
             raise ParallelError(f"draft rank {self.rank}: registering the transfer with {list(targets)}: {e}") from e
 

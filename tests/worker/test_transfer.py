@@ -117,6 +117,69 @@ def test_loopback_float32_many_small_steps(kind):
     assert run_ranks(2, _loopback, kind, spec, schedule, timeout_s=100) == [60, 60]
 
 
+def _one_way(rank: int, world: int, kind: str, spec: BufferSpec, schedule: list[int]) -> dict:
+    """Rank 0 only sends (a target), rank 1 only receives (its draft): each keeps one buffer, and
+    the way not registered is refused by name."""
+    peer, direction = 1 - rank, ("send", "recv")[rank]
+    t = make_transport(kind, dist.group.WORLD)
+    out = {}
+    try:
+        t.register({peer: spec}, direction)
+        out["buffers"] = len(t.buffer_addresses())
+        out["registered"] = len(getattr(t, "registered", []))
+        for step, rows in enumerate(schedule):
+            payload = _payload(step, rows, spec, 0)
+            if rank == 0:
+                staged_RD = t.send_buffer(peer)[:rows]
+                staged_RD.copy_(payload.features_RD)
+                t.send(peer, msgspec.structs.replace(payload, features_RD=staged_RD))
+            else:
+                got = t.recv(peer)
+                _assert_same(got, payload)
+                if rows:
+                    assert got.features_RD.data_ptr() == t.buffer_addresses()[0]
+        wrong_way = (lambda: t.recv(peer)) if rank == 0 else (lambda: t.send(peer, _payload(0, 1, spec, 0)))
+        with pytest.raises(ParallelError) as err:
+            wrong_way()
+        out["wrong way"] = str(err.value)
+    finally:
+        t.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_way_pair_keeps_one_buffer_a_side_and_refuses_the_other_way(kind):
+    spec = BufferSpec(max_rows=64, feature_dim=24, max_requests=3, dtype="bfloat16")
+    sender, receiver = run_ranks(2, _one_way, kind, spec, [5, 0, 64, 1, 33], timeout_s=100)
+    assert receiver["buffers"] == 1  # its receive buffer, and no staging buffer
+    # Mooncake's sender registers its staging buffer; torch's needs none at register (isend reads in place)
+    assert sender["buffers"] == (1 if kind == "mooncake" else 0)
+    if kind == "mooncake":
+        assert sender["registered"] == receiver["registered"] == 1
+    assert sender["wrong way"] == "rank 0 registered to send features with rank 1 only; it cannot receive them"
+    assert receiver["wrong way"] == "rank 1 registered to receive features with rank 0 only; it cannot send them"
+
+
+def _both_send(rank: int, world: int, kind: str) -> str:
+    """Both ranks register to send only: neither would receive, so both refuse at register, naming the other."""
+    t = make_transport(kind, dist.group.WORLD)
+    try:
+        with pytest.raises(ParallelError) as err:
+            t.register({1 - rank: BufferSpec(max_rows=4, feature_dim=8, max_requests=2)}, "send")
+        return str(err.value)
+    finally:
+        t.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", KINDS)
+def test_register_direction_mismatch_names_peer(kind):
+    for rank, message in enumerate(run_ranks(2, _both_send, kind, timeout_s=100)):
+        assert message == (f"rank {rank} registered direction 'send' with rank {1 - rank}, which registered 'send' "
+                           "(one side sends and the other receives, or both do both)")  # fmt: skip
+
+
 def _misuse(rank: int, world: int, kind: str) -> str:
     """Rank 1 registers a different spec: both ranks must refuse, naming the other."""
     t = make_transport(kind, dist.group.WORLD)

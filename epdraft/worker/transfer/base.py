@@ -8,7 +8,7 @@ time plus a few small control messages, never an allocation or a memory registra
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol, runtime_checkable
+from typing import Literal, Mapping, Protocol, runtime_checkable
 
 import msgspec
 import torch
@@ -21,6 +21,13 @@ FEATURE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float8_e4m3fn": torch.float8_e4m3fn,
 }
+
+
+# which way features flow between this rank and its peers: a target rank only sends its draft rank
+# features, the draft rank only receives them (its drafts go back as control messages), so each side
+# keeps the buffers of its own direction only
+Direction = Literal["send", "recv", "both"]
+_PAIRED = {"send": "recv", "recv": "send", "both": "both"}
 
 
 class BufferSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -92,6 +99,29 @@ class StepPayload(msgspec.Struct, frozen=True, kw_only=True):
     bonus_tokens: list[int]
 
 
+def check_pairing(
+    rank: int, peer: int, spec: BufferSpec, direction: Direction, peer_spec: BufferSpec, peer_direction: str
+) -> None:
+    """Refuse a pair whose two `register()` calls disagree on the room or on who sends."""
+    if peer_spec != spec:
+        raise ParallelError(f"rank {rank} registered {spec} for rank {peer}, which registered {peer_spec}")
+    if peer_direction != _PAIRED[direction]:
+        raise ParallelError(
+            f"rank {rank} registered direction {direction!r} with rank {peer}, which registered "
+            f"{peer_direction!r} (one side sends and the other receives, or both do both)"
+        )
+
+
+def refuse_direction(rank: int, peer: int, direction: Direction, doing: Direction) -> None:
+    """ParallelError when this rank registered no buffers for `doing` ("send" / "recv") with `peer`."""
+    if direction not in (doing, "both"):
+        verb = {"send": "send", "recv": "receive"}
+        raise ParallelError(
+            f"rank {rank} registered to {verb[direction]} features with rank {peer} only; it cannot "
+            f"{verb[doing]} them"
+        )
+
+
 def check_payload(payload: StepPayload, spec: BufferSpec, peer: int) -> StepPayloadMeta:
     """The metadata of `payload`, after checking it fits what `register()` reserved for `peer`."""
     x = payload.features_RD
@@ -133,8 +163,9 @@ def check_meta(meta: StepPayloadMeta, spec: BufferSpec, peer: int) -> None:
 class Transport(Protocol):
     """Moves step payloads between paired ranks.
 
-    `register` once (every rank named in `peers` must call it with this rank among its peers and
-    the same spec), then any number of `send`/`recv`, then `close`. `send` returns once the peer
+    `register` once (every rank named in `peers` must call it with this rank among its peers, the
+    same spec and the paired direction), then any number of `send`/`recv` (in the registered
+    direction), then `close`. `send` returns once the peer
     may read the bytes or they are safely in flight, and may wait until the peer enters `recv`
     (its buffer is free again). `recv` returns only after the sender's completion message says
     the bytes are in place. Failures (peer gone, timeout, a write refused) raise ParallelError
@@ -143,8 +174,10 @@ class Transport(Protocol):
 
     name: str
 
-    def register(self, peers: Mapping[int, BufferSpec]) -> None:
-        """Allocate (and, for RDMA-capable backends, register) one buffer per peer; once per transport."""
+    def register(self, peers: Mapping[int, BufferSpec], direction: Direction = "both") -> None:
+        """Allocate (and, for RDMA-capable backends, register) the buffers of `direction` per peer
+        (a receive buffer where this rank receives, a send buffer where it sends); once per
+        transport. Every peer must register the paired direction ("send" with "recv")."""
         ...
 
     def send(self, peer: int, payload: StepPayload) -> None:

@@ -32,8 +32,9 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True):
 
     rank: int
     spec: BufferSpec
+    direction: str = "both"  # this rank's `Direction` with the peer
     endpoint: str = ""
-    recv_addr: int = 0
+    recv_addr: int = 0  # 0 where this rank receives nothing from the peer
 
 
 class Credit(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

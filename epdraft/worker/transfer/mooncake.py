@@ -2,7 +2,8 @@
 
 Each rank runs one engine in P2PHANDSHAKE mode (no metadata server); Mooncake picks the wire
 (RDMA where it finds HCAs, TCP otherwise). At `register()` every peer buffer is allocated and
-registered once, and the pair exchanges session ids, buffer addresses and specs as msgspec
+registered once (a receive buffer where the rank receives, a staging buffer where it sends), and
+the pair exchanges session ids, buffer addresses, specs and directions as msgspec
 messages over a gloo (CPU) group. Per step and pair, on the same gloo group:
 
     receiver --Credit(seq)--> sender      "my buffer for you is free" (sent on entering recv)
@@ -21,7 +22,16 @@ import torch
 import torch.distributed as dist
 
 from epdraft.errors import ConfigError, ParallelError
-from epdraft.worker.transfer.base import BufferSpec, StepPayload, StepPayloadMeta, check_meta, check_payload
+from epdraft.worker.transfer.base import (
+    BufferSpec,
+    Direction,
+    StepPayload,
+    StepPayloadMeta,
+    check_meta,
+    check_pairing,
+    check_payload,
+    refuse_direction,
+)
 from epdraft.worker.transfer.control import CREDIT_FRAME_BYTES, HELLO_FRAME_BYTES, ControlChannel, Credit, Hello
 
 logger = logging.getLogger(__name__)
@@ -87,6 +97,7 @@ class MooncakeTransport:
         self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
         self._channel = ControlChannel(group, torch.device("cpu"), use_tags=True)
         self._register_called = False
+        self._direction: Direction = "both"
         self._specs: dict[int, BufferSpec] = {}
         self._recv_RD: dict[int, torch.Tensor] = {}
         self._send_RD: dict[int, torch.Tensor] = {}
@@ -96,8 +107,9 @@ class MooncakeTransport:
         self._received: dict[int, int] = {}
         self.registered: list[int] = []  # every address given to register_memory, in order
 
-    def register(self, peers: Mapping[int, BufferSpec]) -> None:
-        """Allocate and register a receive and a staging buffer per peer; swap addresses and specs."""
+    def register(self, peers: Mapping[int, BufferSpec], direction: Direction = "both") -> None:
+        """Allocate and register a receive buffer per peer this rank receives from and a staging
+        buffer per peer it sends to; swap addresses, specs and directions."""
         if self._register_called:
             raise ParallelError(f"rank {self._rank}: mooncake transport register() called twice")
         self._register_called = True
@@ -106,25 +118,27 @@ class MooncakeTransport:
                 raise ConfigError(f"rank {self._rank}: transfer peer {peer} must be another rank of the group")
         hellos = {}
         for peer, spec in peers.items():
-            self._recv_RD[peer] = self._register(spec.empty_features(self._device))
-            self._send_RD[peer] = self._register(spec.empty_features(self._device))
+            if direction != "send":
+                self._recv_RD[peer] = self._register(spec.empty_features(self._device))
+            if direction != "recv":
+                self._send_RD[peer] = self._register(spec.empty_features(self._device))
+            recv_addr = self._recv_RD[peer].data_ptr() if peer in self._recv_RD else 0
             hellos[peer] = Hello(
-                rank=self._rank, spec=spec, endpoint=self.session_id, recv_addr=self._recv_RD[peer].data_ptr()
+                rank=self._rank, spec=spec, direction=direction, endpoint=self.session_id, recv_addr=recv_addr
             )
         replies = self._channel.exchange(hellos, Hello, HELLO_FRAME_BYTES)
         for peer, spec in peers.items():
-            if replies[peer].spec != spec:
-                raise ParallelError(
-                    f"rank {self._rank} registered {spec} for rank {peer}, which registered {replies[peer].spec}"
-                )
+            check_pairing(self._rank, peer, spec, direction, replies[peer].spec, replies[peer].direction)
             self._peer_session[peer] = replies[peer].endpoint
             self._peer_addr[peer] = replies[peer].recv_addr
             self._sent[peer] = self._received[peer] = 0
         self._specs = dict(peers)
-        logger.debug("rank %d: mooncake session %s, peers %s", self._rank, self.session_id, self._peer_session)
+        self._direction = direction
+        logger.debug("rank %d: mooncake session %s, peers %s (%s)", self._rank, self.session_id, self._peer_session,
+                     direction)  # fmt: skip
 
     def send(self, peer: int, payload: StepPayload) -> None:
-        spec = self._spec(peer)
+        spec = self._spec(peer, "send")
         meta = check_payload(payload, spec, peer)
         credit = self._channel.recv(peer, Credit, CREDIT_FRAME_BYTES, _CREDIT_TAG)
         if credit.seq != self._sent[peer]:
@@ -150,7 +164,7 @@ class MooncakeTransport:
         self._sent[peer] += 1
 
     def recv(self, peer: int) -> StepPayload:
-        spec = self._spec(peer)
+        spec = self._spec(peer, "recv")
         self._channel.post(peer, Credit(seq=self._received[peer]), CREDIT_FRAME_BYTES, _CREDIT_TAG)
         meta = self._channel.recv(peer, StepPayloadMeta, spec.meta_frame_bytes, _DONE_TAG)
         check_meta(meta, spec, peer)
@@ -163,12 +177,13 @@ class MooncakeTransport:
         )
 
     def send_buffer(self, peer: int) -> torch.Tensor:
-        self._spec(peer)
+        self._spec(peer, "send")
         return self._send_RD[peer]
 
     def buffer_addresses(self) -> tuple[int, ...]:
-        peers = sorted(self._recv_RD)
-        return tuple(self._recv_RD[p].data_ptr() for p in peers) + tuple(self._send_RD[p].data_ptr() for p in peers)
+        return tuple(self._recv_RD[p].data_ptr() for p in sorted(self._recv_RD)) + tuple(
+            self._send_RD[p].data_ptr() for p in sorted(self._send_RD)
+        )
 
     def close(self) -> None:
         """Finish control messages in flight, then unregister every buffer this transport registered."""
@@ -193,8 +208,9 @@ class MooncakeTransport:
             self.registered.append(buf.data_ptr())
         return buf
 
-    def _spec(self, peer: int) -> BufferSpec:
+    def _spec(self, peer: int, doing: Direction) -> BufferSpec:
         spec = self._specs.get(peer)
         if spec is None:
             raise ParallelError(f"rank {self._rank}: rank {peer} is not a registered transfer peer")
+        refuse_direction(self._rank, peer, self._direction, doing)
         return spec

@@ -16,7 +16,16 @@ import torch.distributed as dist
 
 from epdraft.errors import ConfigError, ParallelError
 from epdraft.parallel.p2p import start, wait
-from epdraft.worker.transfer.base import BufferSpec, StepPayload, StepPayloadMeta, check_meta, check_payload
+from epdraft.worker.transfer.base import (
+    BufferSpec,
+    Direction,
+    StepPayload,
+    StepPayloadMeta,
+    check_meta,
+    check_pairing,
+    check_payload,
+    refuse_direction,
+)
 from epdraft.worker.transfer.control import HELLO_FRAME_BYTES, ControlChannel, Hello
 
 logger = logging.getLogger(__name__)
@@ -42,31 +51,32 @@ class TorchP2PTransport:
         self._members = set(dist.get_process_group_ranks(group))
         self._channel = ControlChannel(group, self._device, use_tags=backend == "gloo")
         self._register_called = False
+        self._direction: Direction = "both"
         self._specs: dict[int, BufferSpec] = {}
         self._recv_RD: dict[int, torch.Tensor] = {}
         self._send_RD: dict[int, torch.Tensor] = {}
 
-    def register(self, peers: Mapping[int, BufferSpec]) -> None:
-        """Check every peer agrees on its spec, then allocate one receive buffer per peer."""
+    def register(self, peers: Mapping[int, BufferSpec], direction: Direction = "both") -> None:
+        """Check every peer agrees on its spec and direction, then allocate one receive buffer per
+        peer this rank receives from."""
         if self._register_called:
             raise ParallelError(f"rank {self._rank}: torch transport register() called twice")
         self._register_called = True
         for peer in peers:
             if peer == self._rank or peer not in self._members:
                 raise ConfigError(f"rank {self._rank}: transfer peer {peer} must be another rank of the group")
-        hellos = {peer: Hello(rank=self._rank, spec=spec) for peer, spec in peers.items()}
+        hellos = {peer: Hello(rank=self._rank, spec=spec, direction=direction) for peer, spec in peers.items()}
         replies = self._channel.exchange(hellos, Hello, HELLO_FRAME_BYTES)
         for peer, spec in peers.items():
-            if replies[peer].spec != spec:
-                raise ParallelError(
-                    f"rank {self._rank} registered {spec} for rank {peer}, which registered {replies[peer].spec}"
-                )
+            check_pairing(self._rank, peer, spec, direction, replies[peer].spec, replies[peer].direction)
         self._specs = dict(peers)
-        self._recv_RD = {peer: spec.empty_features(self._device) for peer, spec in peers.items()}
-        logger.debug("rank %d: torch transport registered peers %s", self._rank, sorted(peers))
+        self._direction = direction
+        if direction != "send":
+            self._recv_RD = {peer: spec.empty_features(self._device) for peer, spec in peers.items()}
+        logger.debug("rank %d: torch transport registered peers %s (%s)", self._rank, sorted(peers), direction)
 
     def send(self, peer: int, payload: StepPayload) -> None:
-        spec = self._spec(peer)
+        spec = self._spec(peer, "send")
         meta = check_payload(payload, spec, peer)
         self._channel.send(peer, meta, spec.meta_frame_bytes)
         if meta.num_rows:
@@ -75,7 +85,7 @@ class TorchP2PTransport:
             wait(start(lambda: dist.isend(x_RD, dst=peer, group=self._group), what), what)
 
     def recv(self, peer: int) -> StepPayload:
-        spec = self._spec(peer)
+        spec = self._spec(peer, "recv")
         meta = self._channel.recv(peer, StepPayloadMeta, spec.meta_frame_bytes)
         check_meta(meta, spec, peer)
         x_RD = self._recv_RD[peer][: meta.num_rows]
@@ -88,7 +98,7 @@ class TorchP2PTransport:
 
     def send_buffer(self, peer: int) -> torch.Tensor:
         """Allocated on the first call (isend reads any contiguous tensor in place, so none is needed before)."""
-        spec = self._spec(peer)
+        spec = self._spec(peer, "send")
         if peer not in self._send_RD:
             self._send_RD[peer] = spec.empty_features(self._device)
         return self._send_RD[peer]
@@ -102,8 +112,9 @@ class TorchP2PTransport:
         self._send_RD.clear()
         self._specs.clear()
 
-    def _spec(self, peer: int) -> BufferSpec:
+    def _spec(self, peer: int, doing: Direction) -> BufferSpec:
         spec = self._specs.get(peer)
         if spec is None:
             raise ParallelError(f"rank {self._rank}: rank {peer} is not a registered transfer peer")
+        refuse_direction(self._rank, peer, self._direction, doing)
         return spec
