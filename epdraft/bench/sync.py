@@ -95,10 +95,11 @@ def _rank(rank: int, world: int, methods: list[str], iters: int, warmup: int) ->
             sync = _gloo_allgather
         else:
             transport = HostExchange if method == "host" else StoreExchange
-            exchange = transport.over(dist.group.WORLD, width=2 + NUM_EXTRAS)
+            # the coordinator's row: [step, rows, engine-counts digest (none: -1), *extras]
+            exchange = transport.over(dist.group.WORLD, width=3 + NUM_EXTRAS)
 
             def sync(step: int, rows: int, extras: tuple[int, ...], exchange=exchange) -> tuple[int, ...]:
-                return tuple(v[1] for v in exchange.all_gather([step, rows, *extras]))
+                return tuple(v[1] for v in exchange.all_gather([step, rows, -1, *extras]))
         dist.barrier()
         times = []
         for step in range(warmup + iters):
