@@ -33,8 +33,7 @@ from epdraft.errors import ConfigError
 
 # The all-to-all backends that need CUDA GPUs (and an NCCL group): refused here on a CPU config.
 CUDA_A2A_BACKENDS = ("deepep", "mooncake")
-# Backends whose buffers are fixed at build time: they need draft.max_rows_per_rank.
-FIXED_BUFFER_A2A_BACKENDS = ("deepep", "mooncake")
+
 # Below a second the rendezvous and process-group init time out on any host; above a day a hang
 # would never be reported. `inf` would also overflow the timedelta every rank builds from it.
 MIN_TIMEOUT_S = 1.0
@@ -46,6 +45,13 @@ DEFAULT_HANG_TIMEOUT_S = 20.0
 # The configs installed with the package (`configs/` at the repository root links here), so a
 # name such as `local-cpu-4` works from any directory.
 SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def fixed_row_buffers(a2a_backend: str, low_latency: bool) -> bool:
+    """Whether an all-to-all backend sizes its buffers once, for `draft.max_rows_per_rank` rows a
+    rank (DeepEP's low-latency kernels, Mooncake EP), so a step may send no more than that.
+    DeepEP's normal kernels move any row count through theirs in chunks."""
+    return a2a_backend == "mooncake" or (a2a_backend == "deepep" and low_latency)
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -289,10 +295,11 @@ def _check_draft(pc: ParallelConfig) -> None:
         )
     if d.cuda_graphs and pc.cluster.device == "cpu":
         raise ConfigError("draft.cuda_graphs = true needs CUDA but cluster.device = 'cpu'")
-    if d.a2a_backend in FIXED_BUFFER_A2A_BACKENDS and d.max_rows_per_rank == 0:
+    if fixed_row_buffers(d.a2a_backend, d.low_latency) and d.max_rows_per_rank == 0:
+        kernels = " (low_latency)" if d.low_latency else ""
         raise ConfigError(
-            f"draft.max_rows_per_rank = 0: draft.a2a_backend = {d.a2a_backend!r} sizes fixed buffers and needs "
-            "the most rows one rank sends per step (requests x block size)"
+            f"draft.max_rows_per_rank = 0: draft.a2a_backend = {d.a2a_backend!r}{kernels} sizes fixed buffers and "
+            "needs the most rows one rank sends per step (requests x block size)"
         )
 
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import epdraft.dispatch.planner as planner  # the module, not the package (whose __init__ imports this file)
 from epdraft.config.ffn import DraftMoeFFNSpec
 from epdraft.config.hf import DraftMixFFNSpec
-from epdraft.config.parallel import ParallelConfig, check_moe_split
+from epdraft.config.parallel import ParallelConfig, check_moe_split, fixed_row_buffers
 from epdraft.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class MoeLayout(msgspec.Struct, frozen=True, kw_only=True):
     def row_cap(self) -> int | None:
         """The most rows one rank may send in a step where the backend's buffers are sized once
         (DeepEP low-latency, Mooncake EP): `max_rows_per_rank`; None where any count goes."""
-        fixed = self.layout == "alltoall" and (self.backend == "mooncake" or (self.backend == "deepep" and self.low_latency))
+        fixed = self.layout == "alltoall" and fixed_row_buffers(self.backend, self.low_latency)
         return self.max_rows_per_rank if fixed else None
 
     @property

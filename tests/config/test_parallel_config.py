@@ -195,6 +195,12 @@ MALFORMED = [
                  "draft.a2a_backend = 'deepep'", "needs CUDA", id="deepep-on-cpu"),
     pytest.param({"cluster.device": "cuda", "draft.a2a_backend": "mooncake"}, "draft.a2a_backend = 'mooncake'",
                  "only applies to draft.moe_layout = 'alltoall'", id="mooncake-a2a-with-gather"),
+    pytest.param({"cluster.device": "cuda", "cluster.backend": "nccl", "draft.moe_layout": "alltoall", "draft.moe_tp": 1,
+                  "draft.a2a_backend": "deepep", "draft.low_latency": True, "draft.max_rows_per_rank": 0},
+                 "draft.max_rows_per_rank = 0", "'deepep' (low_latency) sizes fixed buffers", id="deepep-ll-no-rows"),
+    pytest.param({"cluster.device": "cuda", "cluster.backend": "nccl", "draft.moe_layout": "alltoall", "draft.moe_tp": 1,
+                  "draft.a2a_backend": "mooncake", "draft.max_rows_per_rank": 0},
+                 "draft.max_rows_per_rank = 0", "'mooncake' sizes fixed buffers", id="mooncake-ep-no-rows"),
     pytest.param({"draft.moe_layout": "alltoall"}, "draft.moe_tp = 2",
                  "alltoall supports moe_tp = 1; use gather for expert-TP", id="alltoall-with-tp"),
     pytest.param({"draft.moe_layout": "replicated", "draft.moe_tp": 1}, "draft.moe_ep = 2", "'replicated'",
@@ -235,6 +241,14 @@ def test_malformed_config_names_file_key_and_expectation(tmp_path, changes, key,
     assert msg.startswith(f"{path}: "), msg
     assert key in msg, msg
     assert text in msg, msg
+
+
+def test_deepep_normal_kernels_take_no_row_cap():
+    """DeepEP's normal kernels chunk any row count through their buffers: max_rows_per_rank = 0 is
+    theirs to ignore (the low-latency and Mooncake cases above are refused)."""
+    d = apply_overrides(BASE, ["cluster.device=cuda", "cluster.backend=nccl", "draft.moe_layout=alltoall",
+                               "draft.moe_tp=1", "draft.a2a_backend=deepep", "draft.max_rows_per_rank=0"])  # fmt: skip
+    assert parallel_config_from_dict(d).draft.max_rows_per_rank == 0
 
 
 def test_mooncake_transfer_needs_mooncake(monkeypatch):

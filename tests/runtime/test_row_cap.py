@@ -41,3 +41,10 @@ def test_under_graphs_the_largest_bucket_counts():
 def test_layouts_without_fixed_buffers_take_any_count(layout):
     assert layout.row_cap is None
     _check_row_cap(layout, 64, 8, graphs=True)
+
+
+def test_only_fixed_buffer_backends_cap_a_steps_rows():
+    assert _layout("deepep", 0).row_cap is None  # normal kernels: any count, in chunks
+    assert _layout("deepep", 64, low_latency=True).row_cap == 64
+    assert _layout("mooncake", 64).row_cap == 64
+    assert _layout("torch", 64).row_cap is None
