@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import struct
 from collections.abc import Sequence
 
 import torch
@@ -32,9 +31,9 @@ log = logging.getLogger(__name__)
 
 
 def counts_digest(counts: Sequence[int]) -> int:
-    """A 56-bit digest of a row-count list, the same on every host (Python's hash is not
-    guaranteed to be): what a rank sends for "the counts my engine passed"."""
-    packed = struct.pack(f"<{len(counts)}q", *counts)
+    """A 56-bit digest of a row-count list (any ints), the same on every host (Python's hash is
+    not guaranteed to be): what a rank sends for "the counts my engine passed"."""
+    packed = ",".join(str(int(c)) for c in counts).encode()
     return int.from_bytes(hashlib.blake2b(packed, digest_size=7).digest(), "little")
 
 

@@ -1,5 +1,5 @@
 """The step sync on GPU ranks (issue 33): `StepCoordinator` over an NCCL group exchanges
-[step, rows, *extras] through one device all-gather and returns the plan, and ranks passing
+[step, rows, counts digest, *extras] through one device all-gather and returns the plan, and ranks passing
 different step ids are refused. One GPU: a one-rank NCCL group (the multi-rank latency at EP 2
 needs two GPUs); prints the median sync time, which bounds the exchange's own overhead."""
 

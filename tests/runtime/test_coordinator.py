@@ -25,6 +25,14 @@ def _sync_checks(rank: int, world: int) -> dict:
     except StepMismatch as e:
         out["mismatch"] = str(e)
 
+    # Only rank 0's engine passed counts, wrong about rank 2: every rank raises, naming rank 0.
+    try:
+        sync.sync(13, 1, extras=(0, 0), expected=[1, 1, 2] if rank == 0 else None)
+        out["engine"] = None
+    except StepMismatch as e:
+        out["engine"] = str(e)
+    out["after_engine"] = sync.sync(14, 1, extras=(0, 0), expected=[1, 1, 1]).counts  # right: no error
+
     try:
         sync.sync(12, -1, extras=(0, 0))  # every rank passes the bad count: each raises before the collective
     except ParallelError as e:
@@ -46,5 +54,9 @@ def test_step_sync_plans_mismatch_and_bad_input():
         assert out["mismatch"] is not None, f"rank {rank} did not raise StepMismatch"
         assert "rank 0: 10, rank 1: 11, rank 2: 10" in out["mismatch"]
         assert f"rank {rank}'s step" in out["mismatch"]
+        assert out["engine"] == (f"rank {rank}, step 13: the engine's counts on ranks [0] differ from the gathered "
+                                 "[1, 1, 1] (ranks [0, 1, 2])" + ("; this rank's engine passed [1, 1, 2]"
+                                                                  if rank == 0 else ""))  # fmt: skip
+        assert out["after_engine"] == (1, 1, 1)
         assert out["negative"] == f"rank {rank}: step 12 local_rows = -1 must be >= 0"
         assert out["extras"] == f"rank {rank}: step 12 passed 1 extras, StepCoordinator expects 2"

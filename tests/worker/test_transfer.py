@@ -161,6 +161,25 @@ def test_one_way_pair_keeps_one_buffer_a_side_and_refuses_the_other_way(kind):
     assert receiver["wrong way"] == "rank 1 registered to receive features with rank 0 only; it cannot send them"
 
 
+def _bad_direction(rank: int, world: int, kind: str) -> tuple[str, int]:
+    """A direction that is not one is refused before anything is allocated or sent."""
+    t = make_transport(kind, dist.group.WORLD)
+    try:
+        with pytest.raises(ConfigError) as err:
+            t.register({1 - rank: BufferSpec(max_rows=4, feature_dim=8, max_requests=2)}, "recieve")
+        return str(err.value), len(getattr(t, "registered", []))
+    finally:
+        t.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", KINDS)
+def test_register_refuses_an_unknown_direction_before_any_buffer(kind):
+    for rank, (message, registered) in enumerate(run_ranks(2, _bad_direction, kind, timeout_s=100)):
+        assert message == f"rank {rank}: transfer direction 'recieve' must be one of ['both', 'recv', 'send']"
+        assert registered == 0
+
+
 def _both_send(rank: int, world: int, kind: str) -> str:
     """Both ranks register to send only: neither would receive, so both refuse at register, naming the other."""
     t = make_transport(kind, dist.group.WORLD)

@@ -99,6 +99,12 @@ class StepPayload(msgspec.Struct, frozen=True, kw_only=True):
     bonus_tokens: list[int]
 
 
+def check_direction(rank: int, direction: str) -> None:
+    """ConfigError for a `register` direction that is not one of `Direction` (before any buffer)."""
+    if direction not in _PAIRED:
+        raise ConfigError(f"rank {rank}: transfer direction {direction!r} must be one of {sorted(_PAIRED)}")
+
+
 def check_pairing(
     rank: int, peer: int, spec: BufferSpec, direction: Direction, peer_spec: BufferSpec, peer_direction: str
 ) -> None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from epdraft.errors import ParallelError
 from epdraft.parallel.p2p import start, wait
-from epdraft.worker.transfer.base import BufferSpec
+from epdraft.worker.transfer.base import BufferSpec, Direction
 
 HELLO_FRAME_BYTES = 1024
 CREDIT_FRAME_BYTES = 32
@@ -32,7 +32,7 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True):
 
     rank: int
     spec: BufferSpec
-    direction: str = "both"  # this rank's `Direction` with the peer
+    direction: Direction = "both"  # this rank's with the peer
     endpoint: str = ""
     recv_addr: int = 0  # 0 where this rank receives nothing from the peer
 

@@ -27,6 +27,7 @@ from epdraft.worker.transfer.base import (
     Direction,
     StepPayload,
     StepPayloadMeta,
+    check_direction,
     check_meta,
     check_pairing,
     check_payload,
@@ -113,6 +114,7 @@ class MooncakeTransport:
         if self._register_called:
             raise ParallelError(f"rank {self._rank}: mooncake transport register() called twice")
         self._register_called = True
+        check_direction(self._rank, direction)
         for peer in peers:
             if peer == self._rank or peer not in self._members:
                 raise ConfigError(f"rank {self._rank}: transfer peer {peer} must be another rank of the group")

@@ -21,6 +21,7 @@ from epdraft.worker.transfer.base import (
     Direction,
     StepPayload,
     StepPayloadMeta,
+    check_direction,
     check_meta,
     check_pairing,
     check_payload,
@@ -62,6 +63,7 @@ class TorchP2PTransport:
         if self._register_called:
             raise ParallelError(f"rank {self._rank}: torch transport register() called twice")
         self._register_called = True
+        check_direction(self._rank, direction)
         for peer in peers:
             if peer == self._rank or peer not in self._members:
                 raise ConfigError(f"rank {self._rank}: transfer peer {peer} must be another rank of the group")
