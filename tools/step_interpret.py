@@ -104,6 +104,16 @@ def main() -> None:
             raise SystemExit(f"topk_route {scoring} with a selection bias: other experts than route's")
         diff(f"topk_route {scoring} + selection bias, low logits", w, ref_w)
 
+    for scoring in ("softmax", "sigmoid", "sqrtsoftplus", "softmax_topk"):  # a non-finite step's rows
+        logits = torch.randn(40, 12)
+        logits[::2] = float("nan")
+        logits[1::4, 3] = float("nan")
+        logits[3::8, 5] = float("-inf")
+        ids, _ = step_ops.topk_route(logits, 4, scoring, None, True, 1e-20, 1.0)
+        if ids.min() < 0 or ids.max() >= 12 or any(len(set(row)) != 4 for row in ids.tolist()):
+            raise SystemExit(f"topk_route {scoring} of NaN / -inf logits: ids {ids.tolist()}")
+        print(f"topk_route {scoring} of NaN / -inf logits: 4 distinct experts a row in [0, 12)")
+
     # the router's two launches against Router.forward's torch chain (fp32 F.linear (+ logit bias),
     # then route): H in several slices, in one, a slice past H's end; two E tiles; 64-row tiles past
     # T = 512. x in bf16 where the draft has it: the kernel only upcasts it, which the interpreter does right

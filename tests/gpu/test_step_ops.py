@@ -115,12 +115,13 @@ def test_topk_route_equals_route(scoring, E, K):
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "sqrtsoftplus", "softmax_topk"])
 def test_topk_route_of_nan_logits_picks_experts_that_exist(scoring):
     """A non-finite step's NaN logits still route to experts in [0, E) (the dispatchers index by
-    them); the step's finite flags drop its drafts."""
+    them), K distinct ones a token as torch.topk picks; the step's finite flags drop its drafts."""
     logits = torch.randn(40, 12, device="cuda")
     logits[::2] = float("nan")
     logits[1::4, 3] = float("nan")
     ids, _ = step_ops.topk_route(logits, 4, scoring, None, True, 1e-20, 1.0)
     assert ids.min() >= 0 and ids.max() < 12
+    assert all(len(set(row)) == 4 for row in ids.tolist())
 
 
 @pytest.mark.parametrize("scoring", ["sqrtsoftplus", "softmax_topk"])

@@ -245,8 +245,11 @@ def topk_route_kernel(
     selection = scores
     if HAS_BIAS:
         selection = scores + tl.load(bias_ptr + e, mask=ok, other=0.0)
-    # a NaN (a non-finite step, flagged and dropped) loses to every expert: never a lane past E
-    selection = tl.where(ok & (selection == selection), selection, float("-inf"))
+    # a NaN or -inf (a non-finite step, flagged and dropped) loses to every finite score yet is picked
+    # once like one, as torch.topk picks distinct experts: the lowest finite float, not -inf, which
+    # marks the lanes past E and the experts already picked
+    lowest = -3.4028234663852886e38
+    selection = tl.where(ok, tl.where(selection > lowest, selection, lowest), float("-inf"))
     k = tl.arange(0, K)
     top_ids = tl.zeros((K,), tl.int64)
     top_scores = tl.zeros((K,), tl.float32)
