@@ -22,6 +22,7 @@ import torch.distributed as dist
 from epdraft.errors import ConfigError
 from epdraft.parallel.exchange import HostExchange, StoreExchange, shared_memory_ok
 from epdraft.parallel.spawn import run_local_ranks
+from epdraft.runtime.coordinator import NO_DIGEST
 
 METHODS = ("host", "store", "gloo_allgather")
 # torch >= 2.13 renames all_gather_into_tensor (same semantics); older releases only have the old name.
@@ -95,11 +96,11 @@ def _rank(rank: int, world: int, methods: list[str], iters: int, warmup: int) ->
             sync = _gloo_allgather
         else:
             transport = HostExchange if method == "host" else StoreExchange
-            # the coordinator's row: [step, rows, engine-counts digest (none: -1), *extras]
+            # the coordinator's row: [step, rows, engine-counts digest (none here), *extras]
             exchange = transport.over(dist.group.WORLD, width=3 + NUM_EXTRAS)
 
             def sync(step: int, rows: int, extras: tuple[int, ...], exchange=exchange) -> tuple[int, ...]:
-                return tuple(v[1] for v in exchange.all_gather([step, rows, -1, *extras]))
+                return tuple(v[1] for v in exchange.all_gather([step, rows, NO_DIGEST, *extras]))
         dist.barrier()
         times = []
         for step in range(warmup + iters):

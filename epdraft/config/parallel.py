@@ -33,7 +33,6 @@ from epdraft.errors import ConfigError
 
 # The all-to-all backends that need CUDA GPUs (and an NCCL group): refused here on a CPU config.
 CUDA_A2A_BACKENDS = ("deepep", "mooncake")
-
 # Below a second the rendezvous and process-group init time out on any host; above a day a hang
 # would never be reported. `inf` would also overflow the timedelta every rank builds from it.
 MIN_TIMEOUT_S = 1.0

@@ -319,9 +319,10 @@ class DraftRuntime:
 
         Raises RequestError naming requests in `anchors` never added on this rank, after the step
         (their rows ran as padding: the group's collectives stay in step, the other requests'
-        drafts are lost with the error); RequestError / ParallelError / StepMismatch naming this
-        rank when `counts` contradicts its anchors or the DP group, StepMismatch naming the ranks
-        whose `counts` contradict the gathered ones (`check_counts`): fatal to the group, whose ranks then fail naming this rank's reason;
+        drafts are lost with the error); RequestError / ParallelError naming this
+        rank when `counts` contradicts its anchors or the DP group (fatal to the group, whose ranks
+        then fail naming this rank's reason); StepMismatch on every rank, naming the ranks whose
+        `counts` contradict the gathered ones (`check_counts`);
         ParallelError naming the lost peer(s), this step and phase when a collective fails
         because a peer died or stalled.
         """

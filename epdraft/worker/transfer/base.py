@@ -99,33 +99,44 @@ class StepPayload(msgspec.Struct, frozen=True, kw_only=True):
     bonus_tokens: list[int]
 
 
-def check_direction(rank: int, direction: str) -> None:
-    """ConfigError for a `register` direction that is not one of `Direction` (before any buffer)."""
+def check_register(rank: int, members: set[int], peers: Mapping[int, BufferSpec], direction: str) -> None:
+    """ConfigError for a `register` call no transport can take, before any buffer: a direction that
+    is not one of `Direction`, a peer that is this rank or outside the group."""
     if direction not in _PAIRED:
         raise ConfigError(f"rank {rank}: transfer direction {direction!r} must be one of {sorted(_PAIRED)}")
+    for peer in peers:
+        if peer == rank or peer not in members:
+            raise ConfigError(f"rank {rank}: transfer peer {peer} must be another rank of the group")
 
 
 def check_pairing(
-    rank: int, peer: int, spec: BufferSpec, direction: Direction, peer_spec: BufferSpec, peer_direction: str
+    rank: int, peer: int, spec: BufferSpec, direction: Direction, their_spec: BufferSpec, their_direction: str
 ) -> None:
     """Refuse a pair whose two `register()` calls disagree on the room or on who sends."""
-    if peer_spec != spec:
-        raise ParallelError(f"rank {rank} registered {spec} for rank {peer}, which registered {peer_spec}")
-    if peer_direction != _PAIRED[direction]:
+    if their_spec != spec:
+        raise ParallelError(f"rank {rank} registered {spec} for rank {peer}, which registered {their_spec}")
+    if their_direction != _PAIRED[direction]:
         raise ParallelError(
             f"rank {rank} registered direction {direction!r} with rank {peer}, which registered "
-            f"{peer_direction!r} (one side sends and the other receives, or both do both)"
+            f"{their_direction!r} (one side sends and the other receives, or both do both)"
         )
 
 
-def refuse_direction(rank: int, peer: int, direction: Direction, doing: Direction) -> None:
-    """ParallelError when this rank registered no buffers for `doing` ("send" / "recv") with `peer`."""
+def peer_spec(
+    rank: int, specs: Mapping[int, BufferSpec], direction: Direction, peer: int, doing: Direction
+) -> BufferSpec:
+    """The spec registered for `peer`, after ParallelError when `peer` is not registered or this
+    rank registered no buffers for `doing` ("send" / "recv") with it."""
+    spec = specs.get(peer)
+    if spec is None:
+        raise ParallelError(f"rank {rank}: rank {peer} is not a registered transfer peer")
     if direction not in (doing, "both"):
         verb = {"send": "send", "recv": "receive"}
         raise ParallelError(
             f"rank {rank} registered to {verb[direction]} features with rank {peer} only; it cannot "
             f"{verb[doing]} them"
         )
+    return spec
 
 
 def check_payload(payload: StepPayload, spec: BufferSpec, peer: int) -> StepPayloadMeta:

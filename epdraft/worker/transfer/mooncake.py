@@ -27,11 +27,11 @@ from epdraft.worker.transfer.base import (
     Direction,
     StepPayload,
     StepPayloadMeta,
-    check_direction,
     check_meta,
     check_pairing,
     check_payload,
-    refuse_direction,
+    check_register,
+    peer_spec,
 )
 from epdraft.worker.transfer.control import CREDIT_FRAME_BYTES, HELLO_FRAME_BYTES, ControlChannel, Credit, Hello
 
@@ -114,10 +114,7 @@ class MooncakeTransport:
         if self._register_called:
             raise ParallelError(f"rank {self._rank}: mooncake transport register() called twice")
         self._register_called = True
-        check_direction(self._rank, direction)
-        for peer in peers:
-            if peer == self._rank or peer not in self._members:
-                raise ConfigError(f"rank {self._rank}: transfer peer {peer} must be another rank of the group")
+        check_register(self._rank, self._members, peers, direction)
         hellos = {}
         for peer, spec in peers.items():
             if direction != "send":
@@ -211,8 +208,4 @@ class MooncakeTransport:
         return buf
 
     def _spec(self, peer: int, doing: Direction) -> BufferSpec:
-        spec = self._specs.get(peer)
-        if spec is None:
-            raise ParallelError(f"rank {self._rank}: rank {peer} is not a registered transfer peer")
-        refuse_direction(self._rank, peer, self._direction, doing)
-        return spec
+        return peer_spec(self._rank, self._specs, self._direction, peer, doing)

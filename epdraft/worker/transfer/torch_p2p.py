@@ -21,11 +21,11 @@ from epdraft.worker.transfer.base import (
     Direction,
     StepPayload,
     StepPayloadMeta,
-    check_direction,
     check_meta,
     check_pairing,
     check_payload,
-    refuse_direction,
+    check_register,
+    peer_spec,
 )
 from epdraft.worker.transfer.control import HELLO_FRAME_BYTES, ControlChannel, Hello
 
@@ -63,10 +63,7 @@ class TorchP2PTransport:
         if self._register_called:
             raise ParallelError(f"rank {self._rank}: torch transport register() called twice")
         self._register_called = True
-        check_direction(self._rank, direction)
-        for peer in peers:
-            if peer == self._rank or peer not in self._members:
-                raise ConfigError(f"rank {self._rank}: transfer peer {peer} must be another rank of the group")
+        check_register(self._rank, self._members, peers, direction)
         hellos = {peer: Hello(rank=self._rank, spec=spec, direction=direction) for peer, spec in peers.items()}
         replies = self._channel.exchange(hellos, Hello, HELLO_FRAME_BYTES)
         for peer, spec in peers.items():
@@ -115,8 +112,4 @@ class TorchP2PTransport:
         self._specs.clear()
 
     def _spec(self, peer: int, doing: Direction) -> BufferSpec:
-        spec = self._specs.get(peer)
-        if spec is None:
-            raise ParallelError(f"rank {self._rank}: rank {peer} is not a registered transfer peer")
-        refuse_direction(self._rank, peer, self._direction, doing)
-        return spec
+        return peer_spec(self._rank, self._specs, self._direction, peer, doing)
