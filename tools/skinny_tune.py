@@ -5,6 +5,7 @@ tile configs against cuBLAS (torch.nn.functional.linear), at the step's row coun
     python tools/skinny_tune.py --splits [--rows 16,32]   # the default config at each K split
     python tools/skinny_tune.py --splits --no-pdl          # the same, launched without PDL (no weight prefetch)
     python tools/skinny_tune.py --wide --rows 64,128 --shapes 4096  # wide column tiles x K splits, for many rows
+    python tools/skinny_tune.py --wide --quick --smem 200 --rows 128 --shapes issue13  # 24 wide tiles, deeper stages
 
 
 Each timing is a CUDA graph of 24 back-to-back calls cycling over 4 copies of the weights (more
@@ -68,16 +69,21 @@ def main() -> None:
     p.add_argument("--rows", default="16,32,128")
     p.add_argument("--quick", action="store_true", help="fewer configs")
     p.add_argument("--wide", action="store_true",
-                   help="wide column tiles (BLOCK_N 64-256) at K splits 1, 2, 4: where 64-128 rows make the x tile "
+                   help="wide column tiles (BLOCK_N 64-256) at K splits 1, 2, 4, 8: where 64-128 rows make the x tile "
                    "as large as the weight's")  # fmt: skip
     p.add_argument("--shapes", default="",
                    help="comma list: only these presets' projections (issue13, v4like) or those whose name holds one")
+    p.add_argument("--smem", type=int, default=0,
+                   help="KiB the stages' x and weight tiles may take before BLOCK_K is halved (default the "
+                   "launches' own, skinny._SMEM_BYTES): wide tiles at 128 rows past its 96 KiB")  # fmt: skip
     p.add_argument("--json", default="", help="append every config's time to this JSON-lines file")
     p.add_argument("--splits", action="store_true", help="the default config at K splits 1, 2, 4, 8 and the automatic one")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch without programmatic dependent launch: back-to-back calls of one projection then do "
                    "not prefetch the next call's weights while the current one streams")  # fmt: skip
     args = p.parse_args()
+    if args.smem:
+        skinny._SMEM_BYTES = args.smem * 1024
     with launch.pdl_off() if args.no_pdl else contextlib.nullcontext():
         if args.splits:
             return _splits([int(r) for r in args.rows.split(",")])
@@ -91,7 +97,10 @@ def _configs(args: argparse.Namespace) -> None:
     if args.quick:
         configs = [(c, None) for c in itertools.product((16, 32), (128, 256, 512), (4, 8), (3, 4))]
     if args.wide:
-        configs = [((n, k, w, s), split) for n, k, w, s, split in itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4), (1, 2, 4))]
+        grid = ((64, 128, 256), (64, 128), (4, 8), (3, 4), (1, 2, 4, 8))
+        if args.quick:
+            grid = ((128, 256), (64, 128), (8,), (3, 4), (2, 4, 8))
+        configs = [((n, k, w, s), split) for n, k, w, s, split in itertools.product(*grid)]
     hbm, ceiling = memory_bytes_per_s(torch.cuda.get_device_name())
     current = skinny._device_config(torch.device("cuda"))
     print(f"floors at the {ceiling}; the device's config now {current}")
