@@ -187,14 +187,14 @@ class RequestSlots:
 
     def _set_length(self, slot: int, length: int) -> None:
         self._host_lengths[slot] = length
-        self.lengths[slot] = length
+        self.lengths[slot].fill_(length)  # a fill launch; `lengths[slot] = length` copies a CPU scalar and waits
 
     def _set_sampling(self, slot: int, params: SamplingParams) -> None:
         self._params[slot] = params
         row = SamplingBatch.of([params])
         for name in ("temperature", "top_k", "top_p", "seed"):
-            # a Python number is a fill launch; a CPU tensor would be a copy that waits for the device
-            getattr(self._sampling, name)[slot] = getattr(row, name)[0].item()
+            # a fill launch: item assignment (of a Python number or a CPU tensor) copies and waits for the device
+            getattr(self._sampling, name)[slot].fill_(getattr(row, name)[0].item())
 
     @property
     def buffers(self) -> list[torch.Tensor]:
