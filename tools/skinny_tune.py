@@ -67,7 +67,7 @@ def _graph_us(fn) -> float:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", default="16,32,128")
-    p.add_argument("--quick", action="store_true", help="fewer configs")
+    p.add_argument("--quick", action="store_true", help="fewer configs (with --wide: 24 wide tiles at splits 2-8)")
     p.add_argument("--wide", action="store_true",
                    help="wide column tiles (BLOCK_N 64-256) at K splits 1, 2, 4, 8: where 64-128 rows make the x tile "
                    "as large as the weight's")  # fmt: skip
