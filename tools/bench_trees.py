@@ -7,8 +7,9 @@ device call (`git archive REV | tar -x -C scratch/REV`: untracked, so the device
 Each round runs the bench command in every tree in turn, the order reversed every other round so
 that drift over the run falls on every tree alike, each appending its JSON lines to
 OUT/<tree>.jsonl (its other output to OUT/log and the terminal). Then, per point (kind, preset,
-weights, shape, tokens, requests, context), the metric's median over the rounds in each tree and
-its ratio to the first tree's. A tree whose bench fails is named and the rest still run; the exit
+weights, shape, tokens, requests, context), the metric's median over the rounds in each tree, its
+least and most over them (the run's noise, beside the ratio it qualifies) and its ratio to the first
+tree's. A tree whose bench fails is named and the rest still run; the exit
 status is then 1.
 """
 
@@ -49,7 +50,7 @@ def run_round(trees: list[Path], command: list[str], out: Path, log) -> list[str
 
 def table(names: list[str], out: Path, metric: str) -> list[str]:
     """Lines: per point, the metric's median over rounds in each tree and its ratio to the first tree's."""
-    medians: dict[tuple, dict[str, float]] = {}
+    medians: dict[tuple, dict[str, list[float]]] = {}
     for name in names:
         path = out / f"{name}.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -59,16 +60,21 @@ def table(names: list[str], out: Path, metric: str) -> list[str]:
                 point = tuple((k, row[k]) for k in POINT_KEYS if k in row)
                 by_point.setdefault(point, []).append(row[metric])
         for point, values in by_point.items():
-            medians.setdefault(point, {})[name] = statistics.median(values)
-    lines = [f"{metric}, median over rounds (ratio to {names[0]}):"]
+            medians.setdefault(point, {})[name] = values
+    lines = [f"{metric}, median over rounds [least-most where several] (ratio of medians to {names[0]}):"]
     for point, per_tree in medians.items():
         label = " ".join(f"{k}={v}" for k, v in point)
-        base = per_tree.get(names[0])
+        base = statistics.median(per_tree[names[0]]) if names[0] in per_tree else None
         cells = []
         for name in names:
-            value = per_tree.get(name)
-            ratio = f" ({value / base:.3f}x)" if value is not None and base and name != names[0] else ""
-            cells.append(f"{name} {value:.4g}{ratio}" if value is not None else f"{name} -")
+            values = per_tree.get(name)
+            if values is None:
+                cells.append(f"{name} -")
+                continue
+            value = statistics.median(values)
+            spread = f" [{min(values):.4g}-{max(values):.4g}]" if len(values) > 1 else ""
+            ratio = f" ({value / base:.3f}x)" if base and name != names[0] else ""
+            cells.append(f"{name} {value:.4g}{spread}{ratio}")
         lines.append(f"  {label}: " + ", ".join(cells))
     return lines
 

@@ -58,9 +58,9 @@ def test_rounds_alternate_the_order_and_the_table_compares_medians(tmp_path, cap
     rows = [json.loads(line) for line in (out / "after.jsonl").read_text().splitlines()]
     assert [r["graph_ms"] for r in rows if r["requests"] == 8] == [12.0, 13.0, 14.0]
     printed = capsys.readouterr().out
-    # medians over the 3 rounds: before 2 + 1, 16 + 1; after 1.5 + 1, 12 + 1
-    assert "kind=iteration preset=p requests=1 context=1024: before 3, after 2.5 (0.833x)" in printed
-    assert "kind=iteration preset=p requests=8 context=1024: before 17, after 13 (0.765x)" in printed
+    # medians over the 3 rounds (runs 0, 1, 2 added): before 2 + 1, 16 + 1; after 1.5 + 1, 12 + 1
+    assert "kind=iteration preset=p requests=1 context=1024: before 3 [2-4], after 2.5 [1.5-3.5] (0.833x)" in printed
+    assert "kind=iteration preset=p requests=8 context=1024: before 17 [16-18], after 13 [12-14] (0.765x)" in printed
     assert "a table line" in printed and "a table line" in (out / "log").read_text()
 
 
