@@ -49,8 +49,9 @@ def run_round(trees: list[Path], command: list[str], out: Path, log) -> list[str
 
 
 def table(names: list[str], out: Path, metric: str) -> list[str]:
-    """Lines: per point, the metric's median over rounds in each tree and its ratio to the first tree's."""
-    medians: dict[tuple, dict[str, list[float]]] = {}
+    """Lines: per point, the metric's median over rounds in each tree, its least-most, and the ratio
+    of its median to the first tree's."""
+    rounds: dict[tuple, dict[str, list[float]]] = {}  # point -> tree -> the metric in each round
     for name in names:
         path = out / f"{name}.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -60,9 +61,9 @@ def table(names: list[str], out: Path, metric: str) -> list[str]:
                 point = tuple((k, row[k]) for k in POINT_KEYS if k in row)
                 by_point.setdefault(point, []).append(row[metric])
         for point, values in by_point.items():
-            medians.setdefault(point, {})[name] = values
+            rounds.setdefault(point, {})[name] = values
     lines = [f"{metric}, median over rounds [least-most where several] (ratio of medians to {names[0]}):"]
-    for point, per_tree in medians.items():
+    for point, per_tree in rounds.items():
         label = " ".join(f"{k}={v}" for k, v in point)
         base = statistics.median(per_tree[names[0]]) if names[0] in per_tree else None
         cells = []
