@@ -170,13 +170,16 @@ def main() -> None:
         if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
             raise SystemExit(f"placement N {N} keep {keep}: {got} != {want}")
     print("placement: equal to the pool's torch chain")
-    flags = torch.zeros(2, dtype=torch.int32)
-    bad = torch.randn(5000)
-    step_ops.flag_nonfinite(bad, flags[0:1])
-    bad[4500] = float("nan")
-    step_ops.flag_nonfinite(bad, flags[1:2])
+    # the epilogue: the next norm as `rms_norm` makes it, and the flag set by a NaN in any row
+    nw, flags = 1 + 0.1 * torch.randn(40), torch.zeros(2, dtype=torch.int32)
+    for i in range(2):
+        r[5, 39] = float("nan") if i else r[5, 39]
+        normed = torch.empty(6, 40)
+        out = step_ops.ffn_residual(r, y, epilogue=step_ops.Epilogue(nw, 1e-6, normed, flags[i : i + 1]))
+        if i == 0:
+            diff("ffn_residual epilogue: the next norm", normed, step_ops.rms_norm(out, nw, 1e-6)[0])
     if flags.tolist() != [0, 1]:
-        raise SystemExit(f"flag_nonfinite: flags {flags.tolist()}, expected [0, 1]")
+        raise SystemExit(f"ffn_residual epilogue: flags {flags.tolist()}, expected [0, 1]")
 
     x = torch.randn(5, 300)
     ws = [torch.randn(40, 300), torch.randn(16, 300), torch.randn(7, 300)]

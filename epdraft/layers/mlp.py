@@ -10,7 +10,7 @@ from torch import nn
 from epdraft.dispatch.plan import StepPlan
 from epdraft.config.ffn import ActivationSpec
 from epdraft.config.quant import QuantSpec
-from epdraft.kernels.step.ops import ffn_residual
+from epdraft.kernels.step.ops import Epilogue, ffn_residual
 from epdraft.layers.projection import gate_up, project, share_storage
 from epdraft.layers.step_kernels import StepKernels
 from epdraft.loading import TensorSource, check_ffn_loaded, load_into
@@ -65,14 +65,21 @@ class DraftMLP(nn.Module):
         self.loaded_pieces: set = set()
 
     def forward(
-        self, x_TH: torch.Tensor, plan: StepPlan | None = None, *, residual_TH: torch.Tensor | None = None
+        self,
+        x_TH: torch.Tensor,
+        plan: StepPlan | None = None,
+        *,
+        residual_TH: torch.Tensor | None = None,
+        epilogue: Epilogue | None = None,
     ) -> torch.Tensor:
         """x_TH [T, H] -> [T, H] in x's dtype, plus `residual_TH` when given (the layer's residual
         add, fused into one launch with the Triton step ops); T may be 0. `plan` is unused (a dense
-        FFN never communicates); it is taken so every FFN of a draft layer is called alike."""
+        FFN never communicates); it is taken so every FFN of a draft layer is called alike.
+        `epilogue` (Triton step ops, with a residual): that launch also writes the next norm and
+        the layer's non-finite flag (`step_ops.Epilogue`)."""
         y_TH = self.ungated(x_TH)
         if self.kernels.step_ops == "triton" and (residual_TH is not None or self.output_gate is not None):
-            return self.add_gated(x_TH, y_TH, residual_TH)
+            return self.add_gated(x_TH, y_TH, residual_TH, epilogue=epilogue)
         y_TH = self.gated(x_TH, y_TH)
         return y_TH if residual_TH is None else residual_TH + y_TH
 
@@ -92,11 +99,13 @@ class DraftMLP(nn.Module):
         y_TH: torch.Tensor,
         residual_TH: torch.Tensor | None,
         routed_TH: torch.Tensor | None = None,
+        *,
+        epilogue: Epilogue | None = None,
     ) -> torch.Tensor:
         """[residual +] ([routed +] y [* sigmoid(output_gate x)]) in one Triton launch, the output
-        gate's product with x computed inside it (`ffn_residual`)."""
+        gate's product with x computed inside it (`ffn_residual`; with its `epilogue`)."""
         gate = {} if self.output_gate is None else {"gate_rows_TH": x_TH, "gate_weight_1H": self.output_gate.weight}
-        return ffn_residual(residual_TH, routed_TH, y_TH, **gate)
+        return ffn_residual(residual_TH, routed_TH, y_TH, **gate, epilogue=epilogue)
 
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | TensorSource) -> set[str]:
         """Copy this layer's tensors from any accepted naming; returns the names consumed, ignores others."""

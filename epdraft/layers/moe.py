@@ -12,7 +12,7 @@ from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.config.quant import QuantSpec
 from epdraft.dispatch import Dispatcher, MoeLayout, ReplicatedDispatcher, StepPlan
 from epdraft.kernels.launch import Fork
-from epdraft.kernels.step.ops import ffn_residual
+from epdraft.kernels.step.ops import Epilogue, ffn_residual
 from epdraft.layers.mlp import DraftMLP
 from epdraft.layers.routed_experts import RoutedExperts
 from epdraft.layers.router import Router
@@ -99,9 +99,11 @@ class DraftMoE(nn.Module):
         input_ids_T: torch.Tensor | None = None,
         *,
         residual_TH: torch.Tensor | None = None,
+        epilogue: Epilogue | None = None,
     ) -> torch.Tensor:
         """x_TH [T, H] -> [T, H] in x's dtype, plus `residual_TH` when given (the layer's residual
-        add: with the Triton step ops it rides in one launch with the shared expert's gate and add); `plan` is the
+        add: with the Triton step ops it rides in one launch with the shared expert's gate and add,
+        which with `epilogue` also writes the next norm and the layer's non-finite flag); `plan` is the
         step's agreed row counts (any communicating layout needs it, replicated ignores it);
         input_ids_T [T] int64 the rows' token ids, which a hash-routed layer routes by (routing is
         local, before dispatch: no layout needs them).
@@ -122,9 +124,9 @@ class DraftMoE(nn.Module):
         else:
             shared_TH = self.shared.ungated(x_TH) if self.shared is not None else None
         if self.kernels.step_ops == "triton" and shared_TH is not None:
-            return self.shared.add_gated(x_TH, shared_TH, residual_TH, routed_TH=y_TH)
+            return self.shared.add_gated(x_TH, shared_TH, residual_TH, routed_TH=y_TH, epilogue=epilogue)
         if self.kernels.step_ops == "triton" and residual_TH is not None:
-            return ffn_residual(residual_TH, y_TH)
+            return ffn_residual(residual_TH, y_TH, epilogue=epilogue)
         if shared_TH is not None:
             y_TH = y_TH + self.shared.gated(x_TH, shared_TH)
         return y_TH if residual_TH is None else residual_TH + y_TH

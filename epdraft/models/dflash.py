@@ -26,7 +26,7 @@ from epdraft.dispatch import Dispatcher, StepPlan
 from epdraft.errors import ConfigError, NonFiniteError
 from epdraft.kernels.launch import Fork
 from epdraft.kernels.sample.argmax import argmax_rows
-from epdraft.kernels.step.ops import flag_nonfinite, step_blocks
+from epdraft.kernels.step.ops import Epilogue, step_blocks
 from epdraft.layers.build import build_ffn
 from epdraft.layers.step_kernels import StepKernels
 from epdraft.layers.mlp import DraftMLP
@@ -125,11 +125,16 @@ class DFlashLayer(nn.Module):
         return self._ffn(x_NQH, attn, plan, input_ids_NQ)
 
     def _ffn(
-        self, x_NQH: torch.Tensor, attn_NQH: torch.Tensor | None, plan: StepPlan | None, input_ids_NQ: torch.Tensor | None
+        self,
+        x_NQH: torch.Tensor,
+        attn_NQH: torch.Tensor | None,
+        plan: StepPlan | None,
+        input_ids_NQ: torch.Tensor | None,
+        epilogue: Epilogue | None = None,
     ) -> torch.Tensor:
         """x' + ffn(norm x') with x' = x + attn (x itself when attention was skipped), over all
         N * Q rows at once; with the Triton step ops the residual adds ride in the norm's and the
-        FFN's last launch."""
+        FFN's last launch (which with `epilogue` also writes the next norm and the flag)."""
         N, Q, H = x_NQH.shape
         # The FFN runs even with no rows: a MoE layer's collectives must be entered by every rank.
         if attn_NQH is None:
@@ -140,9 +145,9 @@ class DFlashLayer(nn.Module):
         if self.token_routed:
             if input_ids_NQ is None:
                 raise ConfigError(f"layer {self.mlp.layer_id} is hash-routed: it needs the rows' token ids")
-            y_TH = self.mlp(h_TH, plan, input_ids_NQ.reshape(N * Q), residual_TH=x_TH)
+            y_TH = self.mlp(h_TH, plan, input_ids_NQ.reshape(N * Q), residual_TH=x_TH, epilogue=epilogue)
         else:
-            y_TH = self.mlp(h_TH, plan, residual_TH=x_TH)
+            y_TH = self.mlp(h_TH, plan, residual_TH=x_TH, epilogue=epilogue)
         return y_TH.view(N, Q, H)
 
     def forward_pooled(
@@ -155,16 +160,22 @@ class DFlashLayer(nn.Module):
         plan: StepPlan | None,
         input_ids_NQ: torch.Tensor,
         ends_N: torch.Tensor,
+        *,
+        normed_NQH: torch.Tensor | None = None,
+        epilogue: Epilogue | None = None,
     ) -> torch.Tensor:
         """`forward` with the context read in place from `pool` (see DFlashAttention.forward_pooled;
-        ends_N, each request's last position + 1, computed once a step rather than once a layer)."""
+        ends_N, each request's last position + 1, computed once a step rather than once a layer).
+        With the Triton step ops the step chains the layers' norms: `normed_NQH` is this layer's
+        input norm of x already made (by the layer before's `epilogue`), and `epilogue` has this
+        layer's last launch make the next one's (`step_ops.Epilogue`)."""
         attn = None
         if x_NQH.shape[0]:
+            h_NQH = normed_NQH if normed_NQH is not None else self.input_layernorm(x_NQH)
             attn = self.self_attn.forward_pooled(
-                self.input_layernorm(x_NQH), positions_NQ, pool.k[layer_id], pool.v[layer_id], slots_N, self.window,
-                ends_N,
-            )  # fmt: skip
-        return self._ffn(x_NQH, attn, plan, input_ids_NQ)
+                h_NQH, positions_NQ, pool.k[layer_id], pool.v[layer_id], slots_N, self.window, ends_N
+            )
+        return self._ffn(x_NQH, attn, plan, input_ids_NQ, epilogue)
 
 
 class DFlashDraft(nn.Module):
@@ -309,17 +320,26 @@ class DFlashDraft(nn.Module):
         """
         ids_NB, positions_NB, ends_N, nonfinite_L = self.block_inputs(anchors_N, slots_N, pool.lengths)
         x = heads.embed(ids_NB).to(self.fc.weight.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer.forward_pooled(x, positions_NB, pool, i, slots_N, plan, ids_NB, ends_N)
-            if self.kernels.step_ops == "triton":
-                flag_nonfinite(x, nonfinite_L[i : i + 1])
-            else:
+        if self.kernels.step_ops == "triton":
+            # each layer's last launch also makes the next layer's input norm (the last layer's: the
+            # final norm) and its non-finite flag
+            normed = None
+            norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+            for i, (layer, norm) in enumerate(zip(self.layers, norms)):
+                epilogue = Epilogue(norm.weight, norm.eps, torch.empty_like(x).flatten(0, -2), nonfinite_L[i : i + 1])
+                x = layer.forward_pooled(x, positions_NB, pool, i, slots_N, plan, ids_NB, ends_N, normed_NQH=normed,
+                                         epilogue=epilogue)  # fmt: skip
+                normed = epilogue.normed_TH.view(x.shape)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer.forward_pooled(x, positions_NB, pool, i, slots_N, plan, ids_NB, ends_N)
                 nonfinite_L[i] = ~torch.isfinite(x).all()
+            normed = self.norm(x)
         sampling = None
         if readout is not Readout.ARGMAX:
             first_N = positions_NB[:, 0] + 1  # the sequence position of each request's first draft
             sampling = SampledReadout(pool.sampling_of(slots_N, readout), first_N)
-        drafts_NK, confidence_NK, probs_NKV = self.read_out(self.draft_rows(self.norm(x)), anchors_N, heads, sampling)
+        drafts_NK, confidence_NK, probs_NKV = self.read_out(self.draft_rows(normed), anchors_N, heads, sampling)
         return DraftStep(drafts_NK, nonfinite_L == 0, confidence_NK, probs_NKV)
 
     def forward(

@@ -248,14 +248,31 @@ def test_ffn_residual_equals_the_torch_adds(dtype):
     _close(step_ops.ffn_residual(r, None, s, gate_rows_TH=x[:, :H], gate_weight_1H=w), r + gated_x, dtype)
 
 
-def test_flag_nonfinite_sets_only_its_flag():
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H", [(1, 4096), (70, 4096), (33, 5120), (5, 96)])
+def test_ffn_residual_epilogue_is_the_norm_and_the_finite_check_after_it(dtype, T, H):
+    """`ffn_residual`'s epilogue: the same output, the next norm as the `rms_norm` launch it replaces
+    makes it (bit for bit: the same reduction) and within one rounding of `RMSNorm.reference`, and
+    the flag set by an inf or a NaN in any row (its own flag only), left 0 otherwise."""
+    gen = torch.Generator(device="cuda").manual_seed(T * H)
+    r, y, s = (torch.randn(T, H, generator=gen, device="cuda").to(dtype) for _ in range(3))
+    x = torch.randn(T, H, generator=gen, device="cuda").to(dtype)
+    gate_w = (torch.randn(1, H, generator=gen, device="cuda") / H**0.5).to(dtype)
+    norm = RMSNorm(H, 1e-6, dtype=dtype, device="cuda")
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(H, generator=gen, device="cuda"))
     flags = torch.zeros(3, dtype=torch.int32, device="cuda")
-    x = torch.randn(70, 4096, device="cuda").bfloat16()
-    step_ops.flag_nonfinite(x, flags[0:1])
-    x[69, 4095] = float("inf")
-    step_ops.flag_nonfinite(x, flags[1:2])
-    x[69, 4095] = float("nan")
-    step_ops.flag_nonfinite(x, flags[2:3])
+    for i, bad in enumerate([None, float("inf"), float("nan")]):
+        if bad is not None:
+            r[T - 1, H - 1] = bad
+        plain = step_ops.ffn_residual(r, y, s, gate_rows_TH=x, gate_weight_1H=gate_w)
+        normed = torch.empty(T, H, dtype=dtype, device="cuda")
+        epilogue = step_ops.Epilogue(norm.weight, norm.eps, normed, flags[i : i + 1])
+        got = step_ops.ffn_residual(r, y, s, gate_rows_TH=x, gate_weight_1H=gate_w, epilogue=epilogue)
+        torch.testing.assert_close(got, plain, rtol=0, atol=0, equal_nan=True)
+        if bad is None:
+            assert torch.equal(epilogue.normed_TH, step_ops.rms_norm(plain, norm.weight, norm.eps)[0])
+            _close(epilogue.normed_TH, norm.reference(plain), dtype)
     assert flags.tolist() == [0, 1, 1]
 
 

@@ -302,16 +302,17 @@ def gated_act_kernel(
 
 @triton.jit
 def ffn_residual_kernel(
-    r_ptr, y_ptr, s_ptr, g_ptr, gx_ptr, gw_ptr, out_ptr,
-    H, stride_r, stride_y, stride_s, stride_g, stride_gx, stride_o,
+    r_ptr, y_ptr, s_ptr, g_ptr, gx_ptr, gw_ptr, out_ptr, nw_ptr, normed_ptr, flag_ptr,
+    H, stride_r, stride_y, stride_s, stride_g, stride_gx, stride_o, stride_n, eps,
     HAS_RESIDUAL: tl.constexpr, HAS_Y: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr,
-    GATE_FROM_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    GATE_FROM_ROWS: tl.constexpr, HAS_EPILOGUE: tl.constexpr, BLOCK_H: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One row: out = [r +] ([y +] shared [* sigmoid(gate)]) (or r + y), rounding to out's dtype
     after the gate and after each add, as the torch chain does. GATE_FROM_ROWS: the gate's logit
     is the row of gx [T, H] times gw [H] in fp32, rounded to gx's dtype (nn.Linear's output),
-    instead of read from g."""
+    instead of read from g. HAS_EPILOGUE: also normed = nw * (out * rsqrt(mean(out^2) + eps)
+    rounded), as `rms_norm_kernel` computes it, and *flag = 1 when out holds a NaN or inf."""
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
@@ -332,18 +333,16 @@ def ffn_residual_kernel(
         acc = (tl.load(y_ptr + row * stride_y + offs, mask=ok, other=0.0).to(tl.float32) + acc).to(dtype).to(tl.float32)
     if HAS_RESIDUAL:
         acc = tl.load(r_ptr + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32) + acc
-    tl.store(out_ptr + row * stride_o + offs, acc.to(dtype), mask=ok)
-
-
-@triton.jit
-def nonfinite_flag_kernel(x_ptr, flag_ptr, numel, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """*flag = 1 when any of the block's elements is NaN or inf (flag zeroed by the caller)."""
-    enter(PDL)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
-    bad = tl.sum(tl.where((x != x) | (tl.abs(x) == float("inf")), 1, 0), axis=0)
-    if bad > 0:
-        tl.store(flag_ptr, 1)
+    out = acc.to(dtype)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=ok)
+    if HAS_EPILOGUE:
+        x = tl.where(ok, out.to(tl.float32), 0.0)
+        if tl.sum(tl.where((x != x) | (tl.abs(x) == float("inf")), 1, 0), axis=0) > 0:
+            tl.store(flag_ptr, 1)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+        normed = (x * rstd).to(dtype).to(tl.float32)
+        w = tl.load(nw_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(normed_ptr + row * stride_n + offs, (w * normed).to(dtype), mask=ok)
 
 
 @triton.jit

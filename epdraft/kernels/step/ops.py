@@ -12,6 +12,8 @@ host, so a CUDA graph can hold it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from epdraft.errors import ConfigError
@@ -22,7 +24,6 @@ from epdraft.kernels.launch import next_pow2
 # split + merge 28.3 vs 30.3 µs at one request / 8k, 23.4 vs 25.2 at 8 / 1k, within 1 µs elsewhere
 # (H100, tools/attention_tune.py --merge-only; docs/performance.md, sixteenth session).
 _MERGE_ROWS = 4
-_FLAG_BLOCK = 4096
 _PLACEMENT_TILE = 8192  # rows x requests a placement program compares (row -> its request)
 # rows up to which `Router` takes `router_logits` at any expert count: on the H200 (docs/performance.md)
 # it ran in 4 µs at 16 rows where the fp32 cast, cuBLAS's GEMM and its reduce took ~13, and 7 µs at 128
@@ -202,18 +203,6 @@ def merge_attention_splits(acc: torch.Tensor, stat: torch.Tensor, out_NBhD: torc
         )  # fmt: skip
 
 
-def flag_nonfinite(x: torch.Tensor, flag: torch.Tensor) -> None:
-    """Set flag ([1] int32, zeroed by the caller) to 1 when x holds a NaN or inf: the
-    `torch.isfinite(x).all()` of a layer's output in one launch."""
-    from epdraft.kernels.step._step_triton import nonfinite_flag_kernel
-
-    x, n = x.contiguous(), x.numel()
-    if n:
-        nonfinite_flag_kernel[(-(-n // _FLAG_BLOCK),)](
-            x, flag, n, BLOCK=_FLAG_BLOCK, num_warps=4, **launch.kwargs(x.device)
-        )
-
-
 SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "softmax_topk": 3}
 
 
@@ -377,6 +366,19 @@ def step_blocks(
     return ids_NB, positions_NB, ends_N, nonfinite_L
 
 
+class Epilogue(NamedTuple):
+    """What `ffn_residual` also makes of each row it writes (a draft layer's output): the next
+    norm's output into `normed_TH` [T, H] (the next layer's input norm, or the final one: RMSNorm
+    under `norm_weight_H`, `eps`, rounded before the scale as `rms_norm` does) and `nonfinite_1`
+    ([1] int32, zeroed by the caller) set to 1 when the row holds a NaN or inf: two launches a
+    layer fewer than an `rms_norm` launch and a finite check after it."""
+
+    norm_weight_H: torch.Tensor
+    eps: float
+    normed_TH: torch.Tensor
+    nonfinite_1: torch.Tensor
+
+
 def ffn_residual(
     residual_TH: torch.Tensor | None,
     y_TH: torch.Tensor | None,
@@ -385,6 +387,7 @@ def ffn_residual(
     *,
     gate_rows_TH: torch.Tensor | None = None,
     gate_weight_1H: torch.Tensor | None = None,
+    epilogue: Epilogue | None = None,
 ) -> torch.Tensor:
     """[residual +] ([y +] shared [* sigmoid(gate)]) in one launch, rounded to the tensors' dtype
     after the gate and after each add, as `DraftMLP.forward`, `DraftMoE.forward` and the layer's
@@ -392,7 +395,8 @@ def ffn_residual(
     (a gated shared alone is DraftMLP's own output gate); all [T, H]. The output gate's logits are
     gate_T1 [T, 1], or computed in the launch from its input rows gate_rows_TH [T, H] and weight
     gate_weight_1H [1, H] (x @ w^T in fp32, rounded to x's dtype as nn.Linear's output is): one
-    launch where cuBLAS took a split-K GEMM and its reduce for a [T, H] x [H] product."""
+    launch where cuBLAS took a split-K GEMM and its reduce for a [T, H] x [H] product. `epilogue`:
+    the same launch also writes the next norm of each row and the non-finite flag (`Epilogue`)."""
     launch.refuse_autograd("ffn_residual", residual_TH, y_TH, shared_TH, gate_rows_TH)
     from epdraft.kernels.step._step_triton import ffn_residual_kernel
 
@@ -406,11 +410,14 @@ def ffn_residual(
     if T:
         # an absent operand's pointer is `out` (never read: its HAS_ flag is off)
         r, y, sh, g, gx = (t if t is not None else out for t in (r2, y2, s2, g2, gx2))
+        nw, normed, flag, eps = (epilogue.norm_weight_H, epilogue.normed_TH, epilogue.nonfinite_1, epilogue.eps) \
+            if epilogue is not None else (out, out, out, 0.0)  # fmt: skip
         ffn_residual_kernel[(T,)](
-            r, y, sh, g, gx, gw if gw is not None else out, out, H,
-            r.stride(0), y.stride(0), sh.stride(0), g.stride(0), gx.stride(0), out.stride(0),
+            r, y, sh, g, gx, gw if gw is not None else out, out, nw, normed, flag, H,
+            r.stride(0), y.stride(0), sh.stride(0), g.stride(0), gx.stride(0), out.stride(0), normed.stride(0), eps,
             HAS_RESIDUAL=r2 is not None, HAS_Y=y2 is not None, HAS_SHARED=s2 is not None,
             HAS_GATE=g2 is not None or gx2 is not None, GATE_FROM_ROWS=gx2 is not None,
-            BLOCK_H=next_pow2(H), num_warps=4 if H <= 4096 else 8, **launch.kwargs(out.device),
+            HAS_EPILOGUE=epilogue is not None, BLOCK_H=next_pow2(H), num_warps=4 if H <= 4096 else 8,
+            **launch.kwargs(out.device),
         )  # fmt: skip
     return out.view(first.shape)
