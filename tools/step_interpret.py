@@ -118,8 +118,11 @@ def main() -> None:
     # then route): H in several slices, in one, a slice past H's end; two E tiles; 64-row tiles past
     # T = 512. x in bf16 where the draft has it: the kernel only upcasts it, which the interpreter does right
     bf16, fp32 = torch.bfloat16, torch.float32
-    for T, H, E, K, bias_kind, dtype in ((5, 1000, 12, 3, "selection", bf16), (20, 96, 40, 4, "logit", fp32),
-                                         (3, 300, 200, 6, "none", bf16), (600, 200, 8, 2, "logit", bf16)):  # fmt: skip
+    # `router_topk` routes in the logits launch where it fits (8 splits; 1 split; issue13's 8 experts
+    # over H = 4096 in 32), else it is the two launches (200 experts in 3 splits; 600 rows): the same bits
+    for T, H, E, K, bias_kind, dtype in ((5, 1000, 12, 3, "selection", bf16), (20, 96, 24, 4, "logit", fp32),
+                                         (16, 4096, 8, 2, "selection", bf16), (3, 300, 200, 6, "none", bf16),
+                                         (600, 200, 8, 2, "logit", bf16)):  # fmt: skip
         x, weight, bias = torch.randn(T, H).to(dtype), torch.randn(E, H) * 3 * H**-0.5, torch.randn(E)
         linear = F.linear(x.float(), weight)
         logits = linear + bias if bias_kind == "logit" else linear
@@ -133,10 +136,16 @@ def main() -> None:
             ids, w = step_ops.topk_route(parts, K, scoring, sel, spec.norm_topk_prob, spec.renorm_eps,
                                          spec.routed_scaling_factor, added)  # fmt: skip
             name = f"router {scoring} H={H} E={E} K={K} bias={bias_kind}"
+            one_ids, one_w = step_ops.router_topk(x, weight, K, scoring, sel, spec.norm_topk_prob, spec.renorm_eps,
+                                                  spec.routed_scaling_factor, added)  # fmt: skip
+            if not (torch.equal(one_ids, ids) and torch.equal(one_w, w)):
+                raise SystemExit(f"{name}: router_topk differs from router_logits + topk_route")
             if not torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values):
                 raise SystemExit(f"{name}: other experts than route's")
             # compared by expert id: logits in another summation order may swap two near-equal choices
             diff(f"{name} weights", w.gather(1, ids.argsort(-1)), ref_w.gather(1, ref_ids.argsort(-1)))
+    if launch.zeroed_counts("router_topk", torch.device("cpu"), step_ops._ROUTER_MAX_TILES).any():
+        raise SystemExit("router_topk: the launches left an arrival count non-zero")
     parts = step_ops.router_logits(torch.randn(0, 64), torch.randn(8, 64))
     ids, w = step_ops.topk_route(parts, 2, "softmax", None, True, 0.0, 1.0, torch.randn(8))
     if parts.shape[1:] != (0, 8) or ids.shape != (0, 2) or w.shape != (0, 2):

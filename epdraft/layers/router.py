@@ -8,7 +8,7 @@ from torch import nn
 
 from epdraft.config.ffn import RouterSpec
 from epdraft.errors import ConfigError
-from epdraft.kernels.step.ops import router_kernel_takes, router_logits, topk_route
+from epdraft.kernels.step.ops import router_kernel_takes, router_topk, topk_route
 from epdraft.layers.routing import hash_route, route
 from epdraft.layers.step_kernels import StepKernels
 
@@ -21,9 +21,9 @@ class Router(nn.Module):
     implementation picks the same experts on near-ties. With the Triton step ops the logits,
     selection and weights are 2 launches where `router_kernel_takes` the shape (up to
     `ROUTER_KERNEL_MAX_ROWS` rows, any rows for a narrow router: `epdraft.kernels.step.ops.
-    router_logits`, `topk_route`) where x's fp32 cast, cuBLAS's fp32 GEMM, its split-K reduce and
-    the top-k launch made 4 (5 with a logit bias's add); elsewhere cuBLAS's fp32 logits go into
-    `topk_route`. Group-limited and hash routing keep the torch chain,
+    router_topk`; one where its routing fits the logits launch) where x's fp32 cast, cuBLAS's fp32
+    GEMM, its split-K reduce and the top-k launch made 4 (5 with a logit bias's add); elsewhere
+    cuBLAS's fp32 logits go into `topk_route`. Group-limited and hash routing keep the torch chain,
     which stays the reference of those launches. A hash-routed router also holds
     `tid2eid [vocab, K]` int64 (the experts of each token id; a parameter so the loader fills it).
     """
@@ -66,14 +66,13 @@ class Router(nn.Module):
         """
         s = self.spec
         selection_bias = self.bias if s.bias == "selection" else None
-        if self.launches and router_kernel_takes(x_TH.shape[0], s.num_experts):
-            logits_TE = router_logits(x_TH, self.weight)  # [S, T, E] partials: topk_route sums them
-        else:
-            logits_TE = F.linear(x_TH.float(), self.weight.float())
         if self.launches:
-            logit_bias = self.bias if s.bias == "logit" else None
-            return topk_route(logits_TE, s.top_k, s.scoring, selection_bias, s.norm_topk_prob, s.renorm_eps,
-                              s.routed_scaling_factor, logit_bias)  # fmt: skip
+            route_args = (s.top_k, s.scoring, selection_bias, s.norm_topk_prob, s.renorm_eps, s.routed_scaling_factor,
+                          self.bias if s.bias == "logit" else None)  # fmt: skip
+            if router_kernel_takes(x_TH.shape[0], s.num_experts):
+                return router_topk(x_TH, self.weight, *route_args)
+            return topk_route(F.linear(x_TH.float(), self.weight), *route_args)
+        logits_TE = F.linear(x_TH.float(), self.weight.float())
         if s.bias == "logit":
             logits_TE = logits_TE + self.bias
         if self.tid2eid is not None:

@@ -161,8 +161,9 @@ def _clear_tokens(logits_TE, selection_bias_E, scoring, K, delta):
 @pytest.mark.parametrize("E,H", [(8, 4096), (128, 5120), (256, 4096)])
 @pytest.mark.parametrize("T", [1, 16, 128, 1000])
 def test_router_launches_equal_fp32_linear_then_route(scoring, bias, E, H, T):
-    """Router.forward on CUDA (router_logits + topk_route where `router_kernel_takes` the shape,
-    else cuBLAS's fp32 logits + topk_route) against F.linear in fp32 (+ logit bias) then `route`.
+    """Router.forward on CUDA (`router_topk` where `router_kernel_takes` the shape: one launch at 8
+    experts up to 128 rows, else router_logits + topk_route; elsewhere cuBLAS's fp32 logits +
+    topk_route) against F.linear in fp32 (+ logit bias) then `route`.
     The two sum each logit's products in different orders (~1e-6 apart): a token
     whose K-th and (K+1)-th choices are closer than that may pick either, so ids are compared on
     the tokens the logits' tolerance cannot flip, and as sets: two near-equal chosen experts may
@@ -214,11 +215,32 @@ def test_router_logits_of_a_row_do_not_depend_on_the_rows_around_it(E, H, rows):
     above), or eager and graph steps pick other experts on near-ties."""
     x = torch.randn(rows, H, device="cuda").bfloat16()
     w = torch.randn(E, H, device="cuda") * H**-0.5
-    full = step_ops.topk_route(step_ops.router_logits(x, w), 2, "softmax", None, True, 1e-20, 1.0)
+    full = step_ops.router_topk(x, w, 2, "softmax", None, True, 1e-20, 1.0)
     for T in (1, 16, 77, 128, 300):
         T = min(T, rows)
-        part = step_ops.topk_route(step_ops.router_logits(x[:T], w), 2, "softmax", None, True, 1e-20, 1.0)
+        part = step_ops.router_topk(x[:T], w, 2, "softmax", None, True, 1e-20, 1.0)
         assert torch.equal(part[0], full[0][:T]) and torch.equal(part[1], full[1][:T])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("E,H,T", [(8, 4096, 1), (8, 4096, 16), (8, 4096, 77), (8, 4096, 128), (24, 96, 20),
+                                   (12, 1000, 5), (256, 4096, 16)])  # fmt: skip
+def test_router_topk_is_router_logits_then_topk_route(E, H, T):
+    """`router_topk` routes a row tile in the logits launch's last H slice to finish (8 experts in
+    32 slices up to 128 rows, 24 in one slice at H = 96, 12 in 8 slices at H = 1000; 256 experts
+    take the two launches): the two launches' bits, every time, the arrival counts left zeroed."""
+    gen = torch.Generator(device="cuda").manual_seed(E + H + T)
+    x = torch.randn(T, H, generator=gen, device="cuda").bfloat16()
+    w = torch.randn(E, H, generator=gen, device="cuda") * H**-0.5
+    bias = torch.randn(E, generator=gen, device="cuda") * 0.02
+    for scoring in ("softmax", "sigmoid", "sqrtsoftplus", "softmax_topk"):
+        args = (2, scoring, bias, scoring != "softmax", 1e-20, 2.5, bias * 10)
+        want = step_ops.topk_route(step_ops.router_logits(x, w), *args)
+        for _ in range(3):
+            got = step_ops.router_topk(x, w, *args)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch.cuda.synchronize()
+    assert not launch.zeroed_counts("router_topk", x.device, step_ops._ROUTER_MAX_TILES).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

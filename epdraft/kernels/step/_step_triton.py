@@ -172,23 +172,20 @@ def attention_merge_kernel(
 
 
 @triton.jit
-def router_logits_kernel(
-    x_ptr, w_ptr, part_ptr, T, E, H, stride_x, stride_w, stride_ps, stride_pt,
+def _partial_logits(
+    x_ptr, w_ptr, part_ptr, rows, t_ok, pid_s, E, H, stride_x, stride_w, stride_ps, stride_pt,
     SPLIT_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """BLOCK_T rows' partial logits over one SPLIT_H slice of H (program_id 1), all E experts
-    BLOCK_E at a time: x upcast to fp32 times the weight in fp32, stored to part [S, T, E].
+    """The rows' partial logits over H slice pid_s, all E experts BLOCK_E at a time: x upcast to
+    fp32 times the weight in fp32, stored to part [S, T, E] (rows int64 [BLOCK_T], t_ok their mask).
 
     input_precision="ieee": tl.dot's default for fp32 is TF32, whose 10-bit mantissas would move the
     logits by ~1e-3 of their size and pick other experts than the torch path's fp32 GEMM on near-ties.
+    Each product is summed in H order by one thread, whatever the tile: a row's partials are the
+    same bits in any launch.
     """
-    enter(PDL)
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h_start = tl.program_id(1) * SPLIT_H
+    h_start = pid_s * SPLIT_H
     h_end = tl.minimum(h_start + SPLIT_H, H)
-    t_ok = rows < T
-    rows = rows.to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     h = tl.arange(0, BLOCK_H)
     for e0 in range(0, E, BLOCK_E):
@@ -201,38 +198,51 @@ def router_logits_kernel(
             x = tl.load(x_ptr + rows[:, None] * stride_x + hh[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
             w = tl.load(w_ptr + ee[None, :] * stride_w + hh[:, None], mask=h_ok[:, None] & e_ok[None, :], other=0.0)
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        out = part_ptr + tl.program_id(1) * stride_ps + rows[:, None] * stride_pt + ee[None, :]
+        out = part_ptr + pid_s * stride_ps + rows[:, None] * stride_pt + ee[None, :]
         tl.store(out, acc, mask=t_ok[:, None] & e_ok[None, :])
 
 
 @triton.jit
-def topk_route_kernel(
-    logits_ptr, logit_bias_ptr, bias_ptr, ids_ptr, weights_ptr, E, stride_ls, stride_l, renorm_eps, scale,
-    SPLITS: tl.constexpr, TOP_K: tl.constexpr, K: tl.constexpr, SCORING: tl.constexpr, HAS_LOGIT_BIAS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
+def router_logits_kernel(
+    x_ptr, w_ptr, part_ptr, T, E, H, stride_x, stride_w, stride_ps, stride_pt,
+    SPLIT_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """One token: its fp32 logits (the sum of its SPLITS partials in split order, then the logit
+    """BLOCK_T rows' partial logits over one SPLIT_H slice of H (program_id 1): `_partial_logits`."""
+    enter(PDL)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = rows < T
+    _partial_logits(x_ptr, w_ptr, part_ptr, rows.to(tl.int64), t_ok, tl.program_id(1), E, H, stride_x, stride_w,
+                    stride_ps, stride_pt, SPLIT_H, BLOCK_T, BLOCK_E, BLOCK_H)  # fmt: skip
+
+
+@triton.jit
+def _route_tile(
+    logits_ptr, rows, t_ok, E, stride_ls, stride_l, logit_bias_ptr, bias_ptr, ids_ptr, weights_ptr, renorm_eps, scale,
+    SPLITS: tl.constexpr, TOP_K: tl.constexpr, K: tl.constexpr, SCORING: tl.constexpr, HAS_LOGIT_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """The rows' fp32 logits (the sum of their SPLITS partials in split order, then the logit
     bias), scores, top-TOP_K by TOP_K passes of argmax (ties: the lower expert), then the combine
-    weights as `epdraft.layers.routing.route` makes them; K is TOP_K rounded up to a power of two
-    (the width of the register vectors).
+    weights as `epdraft.layers.routing.route` makes them, stored to ids / weights [T, TOP_K]; K is
+    TOP_K rounded up to a power of two (the width of the register tiles). rows int64 [R], t_ok
+    their mask. The partials are read past L1: in `router_topk_kernel` other programs wrote them.
 
     SCORING: 0 softmax, 1 sigmoid, 2 sqrt(softplus), 3 softmax over the top-K logits.
     """
-    enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
-    ok = e < E
-    row = logits_ptr + t * stride_l + e
-    logits = tl.load(row, mask=ok, other=0.0)
+    e_ok = e < E
+    ok = t_ok[:, None] & e_ok[None, :]
+    tile = logits_ptr + rows[:, None] * stride_l + e[None, :]
+    logits = tl.load(tile, mask=ok, other=0.0, cache_modifier=".cg")
     for s in tl.static_range(1, SPLITS):  # unrolled: the loads issue together, the adds keep their order
-        logits += tl.load(row + s * stride_ls, mask=ok, other=0.0)
+        logits += tl.load(tile + s * stride_ls, mask=ok, other=0.0, cache_modifier=".cg")
     if HAS_LOGIT_BIAS:
-        logits += tl.load(logit_bias_ptr + e, mask=ok, other=0.0)
-    logits = tl.where(ok, logits, float("-inf"))
+        logits += tl.load(logit_bias_ptr + e, mask=e_ok, other=0.0)[None, :]
+    logits = tl.where(e_ok[None, :], logits, float("-inf"))
     if SCORING == 0:
-        z = tl.exp(logits - tl.max(logits, axis=0))
-        scores = z / tl.sum(z, axis=0)
+        z = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        scores = z / tl.sum(z, axis=1)[:, None]
     elif SCORING == 1:
         scores = 1.0 / (1.0 + tl.exp(-logits))
     elif SCORING == 2:
@@ -244,31 +254,77 @@ def topk_route_kernel(
         scores = logits
     selection = scores
     if HAS_BIAS:
-        selection = scores + tl.load(bias_ptr + e, mask=ok, other=0.0)
+        selection = scores + tl.load(bias_ptr + e, mask=e_ok, other=0.0)[None, :]
     # a NaN or -inf (a non-finite step, flagged and dropped) loses to every finite score yet is picked
     # once like one, as torch.topk picks distinct experts: the lowest finite float, not -inf, which
     # marks the lanes past E and the experts already picked
     lowest = -3.4028234663852886e38
-    selection = tl.where(ok, tl.where(selection > lowest, selection, lowest), float("-inf"))
-    k = tl.arange(0, K)
-    top_ids = tl.zeros((K,), tl.int64)
-    top_scores = tl.zeros((K,), tl.float32)
+    selection = tl.where(e_ok[None, :], tl.where(selection > lowest, selection, lowest), float("-inf"))
+    k = tl.arange(0, K)[None, :]
+    top_ids = tl.zeros((rows.shape[0], K), tl.int64)
+    top_scores = tl.zeros((rows.shape[0], K), tl.float32)
     for i in tl.static_range(TOP_K):
-        best = tl.argmax(selection, axis=0, tie_break_left=True)
+        best = tl.argmax(selection, axis=1, tie_break_left=True)[:, None]
+        hit = e[None, :] == best
         top_ids = tl.where(k == i, best, top_ids)
-        top_scores = tl.where(k == i, tl.sum(tl.where(e == best, scores, 0.0), axis=0), top_scores)
-        selection = tl.where(e == best, float("-inf"), selection)
+        top_scores = tl.where(k == i, tl.sum(tl.where(hit, scores, 0.0), axis=1)[:, None], top_scores)
+        selection = tl.where(hit, float("-inf"), selection)
     if SCORING == 3:
         top_scores = tl.where(k < TOP_K, top_scores, float("-inf"))
-        z = tl.exp(top_scores - tl.max(top_scores, axis=0))
-        weights = z / tl.sum(z, axis=0)
+        z = tl.exp(top_scores - tl.max(top_scores, axis=1)[:, None])
+        weights = z / tl.sum(z, axis=1)[:, None]
     else:
         weights = top_scores  # 0 past TOP_K: the sum below is the real K's
         if NORM:
-            weights = weights / (tl.sum(weights, axis=0) + renorm_eps)
+            weights = weights / (tl.sum(weights, axis=1)[:, None] + renorm_eps)
         weights = weights * scale
-    tl.store(ids_ptr + t * TOP_K + k, top_ids, mask=k < TOP_K)
-    tl.store(weights_ptr + t * TOP_K + k, weights, mask=k < TOP_K)
+    out = rows[:, None] * TOP_K + k
+    out_ok = t_ok[:, None] & (k < TOP_K)
+    tl.store(ids_ptr + out, top_ids, mask=out_ok)
+    tl.store(weights_ptr + out, weights, mask=out_ok)
+
+
+@triton.jit
+def topk_route_kernel(
+    logits_ptr, logit_bias_ptr, bias_ptr, ids_ptr, weights_ptr, T, E, stride_ls, stride_l, renorm_eps, scale,
+    SPLITS: tl.constexpr, TOP_K: tl.constexpr, K: tl.constexpr, SCORING: tl.constexpr, HAS_LOGIT_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """ROWS tokens' routing from their logits or partials (`_route_tile`)."""
+    enter(PDL)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    _route_tile(logits_ptr, rows.to(tl.int64), rows < T, E, stride_ls, stride_l, logit_bias_ptr, bias_ptr, ids_ptr,
+                weights_ptr, renorm_eps, scale, SPLITS, TOP_K, K, SCORING, HAS_LOGIT_BIAS, HAS_BIAS, NORM, BLOCK_E)  # fmt: skip
+
+
+@triton.jit
+def router_topk_kernel(
+    x_ptr, w_ptr, part_ptr, arrived_ptr, logit_bias_ptr, bias_ptr, ids_ptr, weights_ptr,
+    T, E, H, stride_x, stride_w, stride_ps, stride_pt, renorm_eps, scale,
+    SPLIT_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+    SPLITS: tl.constexpr, TOP_K: tl.constexpr, K: tl.constexpr, SCORING: tl.constexpr, HAS_LOGIT_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ROUTE_E: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """`router_logits_kernel`, then the last of a row tile's SPLITS programs to arrive routes its
+    BLOCK_T rows from the partials (`_route_tile`, ROUTE_E = E rounded up to a power of two):
+    the two launches' work in one. arrived_ptr: one zeroed count per row tile, left zeroed."""
+    enter(PDL)
+    tile = tl.program_id(0)
+    rows = (tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_ok = rows < T
+    _partial_logits(x_ptr, w_ptr, part_ptr, rows, t_ok, tl.program_id(1), E, H, stride_x, stride_w, stride_ps,
+                    stride_pt, SPLIT_H, BLOCK_T, BLOCK_E, BLOCK_H)  # fmt: skip
+    tl.debug_barrier()  # every thread's partials are written before the release below (or this program's reads)
+    last = True
+    if SPLITS > 1:
+        last = tl.atomic_add(arrived_ptr + tile, 1, sem="acq_rel") == SPLITS - 1
+    if last:
+        if SPLITS > 1:
+            tl.store(arrived_ptr + tile, 0)
+        _route_tile(part_ptr, rows, t_ok, E, stride_ps, stride_pt, logit_bias_ptr, bias_ptr, ids_ptr, weights_ptr,
+                    renorm_eps, scale, SPLITS, TOP_K, K, SCORING, HAS_LOGIT_BIAS, HAS_BIAS, NORM, ROUTE_E)  # fmt: skip
 
 
 @triton.jit

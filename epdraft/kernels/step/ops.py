@@ -38,6 +38,9 @@ ROUTER_KERNEL_ANY_ROWS_EXPERTS = 32
 # eager and graph steps, padded to another row count, pick the same experts on near-ties
 _ROUTER_SLICES = 32
 _ROUTER_MIN_SPLIT = 128  # narrower H slices: more partials for topk_route to read than the split gains
+_ROUTER_ROWS = 16  # rows of a logits program up to ROUTER_KERNEL_MAX_ROWS, and of a routing program that fits:
+_ROUTE_TILE = 8192  # its S partials' fp32 logits, loaded at once (unrolled): ~64 registers a thread over 4 warps
+_ROUTER_MAX_TILES = ROUTER_KERNEL_MAX_ROWS // _ROUTER_ROWS  # `router_topk`'s row tiles: its arrival counts
 
 
 def unsupported_reason(device_type: str, dtype: torch.dtype) -> str | None:
@@ -207,8 +210,19 @@ SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "softmax_topk": 3}
 
 
 def router_kernel_takes(rows: int, experts: int) -> bool:
-    """Whether `Router` computes these logits with `router_logits` (else cuBLAS's fp32 GEMM)."""
+    """Whether `Router` computes these logits with `router_logits` (`router_topk`; else cuBLAS's fp32 GEMM)."""
     return rows <= ROUTER_KERNEL_MAX_ROWS or experts <= ROUTER_KERNEL_ANY_ROWS_EXPERTS
+
+
+def _router_split(H: int) -> int:
+    """The width of the router's H slices: a function of H alone (see _ROUTER_SLICES)."""
+    return min(next_pow2(H), max(_ROUTER_MIN_SPLIT, next_pow2(-(-H // _ROUTER_SLICES))))
+
+
+def _router_tiles(E: int, split_h: int) -> tuple[int, int]:
+    """(BLOCK_E, BLOCK_H) of the router's logits programs."""
+    block_e = min(128, max(16, next_pow2(E)))
+    return block_e, max(16, min(split_h, 64 if block_e > 32 else 256))  # tl.dot's K is 16 or more
 
 
 def router_logits(x_TH: torch.Tensor, weight_EH: torch.Tensor) -> torch.Tensor:
@@ -216,8 +230,9 @@ def router_logits(x_TH: torch.Tensor, weight_EH: torch.Tensor) -> torch.Tensor:
     part[s] = x[:, slice s] @ weight[:, slice s]^T in fp32 over S power-of-two slices of H, which
     `topk_route` sums in split order (no atomics: the logits are the same bits on every launch).
 
-    Launches per MoE layer: 2 (this, then `topk_route`) where the router took 4 (x's fp32 cast,
-    cuBLAS's fp32 GEMM, its split-K reduce, `topk_route`; 5 with a logit bias's add). One program per
+    Launches per MoE layer: 2 (this, then `topk_route`; 1 where `router_topk` fits them in one)
+    where the router took 4 (x's fp32 cast, cuBLAS's fp32 GEMM, its split-K reduce, `topk_route`;
+    5 with a logit bias's add). One program per
     (BLOCK_T rows, H slice), _ROUTER_SLICES slices of H: one program walking all of H alone
     made the step slower.
 
@@ -232,15 +247,14 @@ def router_logits(x_TH: torch.Tensor, weight_EH: torch.Tensor) -> torch.Tensor:
     if weight_EH.shape[1] != H:
         raise ConfigError(f"router_logits: x {tuple(x_TH.shape)} and weight {tuple(weight_EH.shape)} differ in H")
     # 64-row tiles read each weight slice once per 64 rows, not 16: 15 µs at 512 rows against 25 (H100)
-    block_t = 16 if T <= ROUTER_KERNEL_MAX_ROWS else 64
+    block_t = _ROUTER_ROWS if T <= ROUTER_KERNEL_MAX_ROWS else 64
     tiles = -(-T // block_t)
-    split_h = min(next_pow2(H), max(_ROUTER_MIN_SPLIT, next_pow2(-(-H // _ROUTER_SLICES))))
+    split_h = _router_split(H)
     splits = -(-H // split_h)
     partials = torch.empty(splits, T, E, dtype=torch.float32, device=x_TH.device)
     if T:
         x, w = _rows(x_TH), _rows(weight_EH)
-        block_e = min(128, max(16, next_pow2(E)))
-        block_h = max(16, min(split_h, 64 if block_e > 32 else 256))  # tl.dot's K is 16 or more
+        block_e, block_h = _router_tiles(E, split_h)
         tile = block_t * block_e + block_h * (block_t + block_e)  # fp32 registers: ~96 a thread at most
         router_logits_kernel[(tiles, splits)](
             x, w, partials, T, E, H, x.stride(0), w.stride(0), partials.stride(0), partials.stride(1),
@@ -248,6 +262,35 @@ def router_logits(x_TH: torch.Tensor, weight_EH: torch.Tensor) -> torch.Tensor:
             **launch.kwargs(x.device),
         )  # fmt: skip
     return partials
+
+
+def _route_args(
+    top_k: int,
+    scoring: str,
+    selection_bias_E: torch.Tensor | None,
+    norm_topk_prob: bool,
+    renorm_eps: float,
+    routed_scaling_factor: float,
+    logit_bias_E: torch.Tensor | None,
+    absent: torch.Tensor,
+) -> tuple[tuple, dict]:
+    """The routing's pointer / scalar arguments and constexprs, shared by `topk_route` and
+    `router_topk` (an absent bias's pointer is `absent`, never read)."""
+    # `route` picks softmax_topk's experts by the logits alone: a selection bias does not apply
+    has_bias = selection_bias_E is not None and scoring != "softmax_topk"
+    pointers = (logit_bias_E if logit_bias_E is not None else absent, selection_bias_E if has_bias else absent)
+    constexprs = dict(TOP_K=top_k, K=next_pow2(top_k), SCORING=SCORINGS[scoring], HAS_LOGIT_BIAS=logit_bias_E is not None,
+                      HAS_BIAS=has_bias, NORM=norm_topk_prob)  # fmt: skip
+    return (*pointers, renorm_eps, routed_scaling_factor), constexprs
+
+
+def _route_rows(splits: int, experts: int) -> int:
+    """Tokens one routing program takes: _ROUTER_ROWS for a router that `router_logits` takes at
+    any row count whose `splits` partials of E logits fit _ROUTE_TILE, else 1. Those tiles (with 4
+    warps) are what `router_topk` routes in its logits launch up to 128 rows, and `topk_route`
+    routes above: a token's weights are the same bits in a batch of any size."""
+    fits = splits * _ROUTER_ROWS * max(16, next_pow2(experts)) <= _ROUTE_TILE
+    return _ROUTER_ROWS if experts <= ROUTER_KERNEL_ANY_ROWS_EXPERTS and fits else 1
 
 
 def topk_route(
@@ -281,20 +324,58 @@ def topk_route(
     weights = torch.empty(T, top_k, dtype=torch.float32, device=parts.device)
     if T:
         parts = parts if parts.stride(-1) == 1 else parts.contiguous()
-        # `route` picks softmax_topk's experts by the logits alone: a selection bias does not apply
-        has_bias = selection_bias_E is not None and scoring != "softmax_topk"
-        bias = selection_bias_E if has_bias else parts
-        logit_bias = logit_bias_E if logit_bias_E is not None else parts
-        block_e = max(16, next_pow2(E))
+        args, constexprs = _route_args(top_k, scoring, selection_bias_E, norm_topk_prob, renorm_eps,
+                                       routed_scaling_factor, logit_bias_E, parts)  # fmt: skip
+        rows, block_e = _route_rows(S, E), max(16, next_pow2(E))
         # a token's S partials are loaded at once (unrolled): at most ~64 fp32 registers a thread
-        warps = min(8, max(1 if E <= 256 else 4, next_pow2(-(-S * block_e // 2048))))
-        topk_route_kernel[(T,)](
-            parts, logit_bias, bias, ids, weights, E, parts.stride(0), parts.stride(1), renorm_eps,
-            routed_scaling_factor,
-            SPLITS=S, TOP_K=top_k, K=next_pow2(top_k), SCORING=SCORINGS[scoring],
-            HAS_LOGIT_BIAS=logit_bias_E is not None, HAS_BIAS=has_bias, NORM=norm_topk_prob,
-            BLOCK_E=block_e, num_warps=warps, **launch.kwargs(parts.device),
+        warps = 4 if rows > 1 else min(8, max(1 if E <= 256 else 4, next_pow2(-(-S * block_e // 2048))))
+        topk_route_kernel[(-(-T // rows),)](
+            parts, *args[:2], ids, weights, T, E, parts.stride(0), parts.stride(1), *args[2:], SPLITS=S, ROWS=rows,
+            BLOCK_E=block_e, **constexprs, num_warps=warps, **launch.kwargs(parts.device),
         )  # fmt: skip
+    return ids, weights
+
+
+def router_topk(
+    x_TH: torch.Tensor,
+    weight_EH: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    selection_bias_E: torch.Tensor | None,
+    norm_topk_prob: bool,
+    renorm_eps: float,
+    routed_scaling_factor: float,
+    logit_bias_E: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`topk_route(router_logits(x_TH, weight_EH), ...)`, the same bits, in one launch where the
+    routing fits the logits launch (up to ROUTER_KERNEL_MAX_ROWS rows whose partials fit one
+    program's tile, `_route_rows`: e.g. 8 experts over H = 4096): the last of a row tile's H
+    slices to finish routes the tile. Elsewhere the two launches.
+    """
+    T, H = x_TH.shape
+    E = weight_EH.shape[0]
+    args = (top_k, scoring, selection_bias_E, norm_topk_prob, renorm_eps, routed_scaling_factor, logit_bias_E)
+    splits = -(-H // _router_split(H))
+    if not 0 < T <= ROUTER_KERNEL_MAX_ROWS or _route_rows(splits, E) != _ROUTER_ROWS:
+        return topk_route(router_logits(x_TH, weight_EH), *args)
+    launch.refuse_autograd("router_topk", x_TH)
+    from epdraft.kernels.step._step_triton import router_topk_kernel
+
+    if weight_EH.shape[1] != H:
+        raise ConfigError(f"router_topk: x {tuple(x_TH.shape)} and weight {tuple(weight_EH.shape)} differ in H")
+    x, w = _rows(x_TH), _rows(weight_EH)
+    tiles = -(-T // _ROUTER_ROWS)
+    partials = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, top_k, dtype=torch.long, device=x.device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    route_args, constexprs = _route_args(*args, partials)
+    block_e, block_h = _router_tiles(E, _router_split(H))
+    router_topk_kernel[(tiles, splits)](
+        x, w, partials, launch.zeroed_counts("router_topk", x.device, _ROUTER_MAX_TILES), *route_args[:2], ids,
+        weights, T, E, H, x.stride(0), w.stride(0), partials.stride(0), partials.stride(1), *route_args[2:],
+        SPLIT_H=_router_split(H), BLOCK_T=_ROUTER_ROWS, BLOCK_E=block_e, BLOCK_H=block_h, SPLITS=splits,
+        ROUTE_E=max(16, next_pow2(E)), **constexprs, num_warps=4, **launch.kwargs(x.device),
+    )  # fmt: skip
     return ids, weights
 
 
