@@ -89,8 +89,9 @@ def main() -> None:
             logits = torch.randn(7, E) * 3
             bias = torch.randn(E) if scoring == "sigmoid" else None
             ref_ids, ref_w = route(logits, spec, bias)
-            ids, w = step_ops.topk_route(logits, K, scoring, bias, spec.norm_topk_prob, spec.renorm_eps,
-                                         spec.routed_scaling_factor)  # fmt: skip
+            selection = step_ops.Selection(K, scoring, bias, spec.norm_topk_prob, spec.renorm_eps,
+                                           spec.routed_scaling_factor)  # fmt: skip
+            ids, w = step_ops.topk_route(logits, selection)
             if not torch.equal(ids, ref_ids):
                 raise SystemExit(f"topk_route {scoring} E={E} K={K}: other experts than route's")
             diff(f"topk_route {scoring} E={E} K={K}", w, ref_w)
@@ -99,7 +100,8 @@ def main() -> None:
         spec = RouterSpec(num_experts=64, top_k=4, scoring=scoring, routed_scaling_factor=1.5)
         logits, bias = torch.randn(33, 64) * 3 - 9, torch.randn(64) * 0.5
         ref_ids, ref_w = route(logits, spec, bias)
-        ids, w = step_ops.topk_route(logits, 4, scoring, bias, spec.norm_topk_prob, spec.renorm_eps, 1.5)
+        selection = step_ops.Selection(4, scoring, bias, spec.norm_topk_prob, spec.renorm_eps, 1.5)
+        ids, w = step_ops.topk_route(logits, selection)
         if not torch.equal(ids, ref_ids):
             raise SystemExit(f"topk_route {scoring} with a selection bias: other experts than route's")
         diff(f"topk_route {scoring} + selection bias, low logits", w, ref_w)
@@ -133,11 +135,11 @@ def main() -> None:
                               routed_scaling_factor=2.5, bias=bias_kind)  # fmt: skip
             sel, added = (bias if bias_kind == "selection" else None), (bias if bias_kind == "logit" else None)
             ref_ids, ref_w = route(logits, spec, sel)
-            ids, w = step_ops.topk_route(parts, K, scoring, sel, spec.norm_topk_prob, spec.renorm_eps,
-                                         spec.routed_scaling_factor, added)  # fmt: skip
+            selection = step_ops.Selection(K, scoring, sel, spec.norm_topk_prob, spec.renorm_eps,
+                                           spec.routed_scaling_factor, added)  # fmt: skip
+            ids, w = step_ops.topk_route(parts, selection)
             name = f"router {scoring} H={H} E={E} K={K} bias={bias_kind}"
-            one_ids, one_w = step_ops.router_topk(x, weight, K, scoring, sel, spec.norm_topk_prob, spec.renorm_eps,
-                                                  spec.routed_scaling_factor, added)  # fmt: skip
+            one_ids, one_w = step_ops.router_topk(x, weight, selection)
             if not (torch.equal(one_ids, ids) and torch.equal(one_w, w)):
                 raise SystemExit(f"{name}: router_topk differs from router_logits + topk_route")
             if not torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values):
@@ -147,7 +149,7 @@ def main() -> None:
     if launch.zeroed_counts("router_topk", torch.device("cpu"), step_ops._ROUTER_MAX_TILES).any():
         raise SystemExit("router_topk: the launches left an arrival count non-zero")
     parts = step_ops.router_logits(torch.randn(0, 64), torch.randn(8, 64))
-    ids, w = step_ops.topk_route(parts, 2, "softmax", None, True, 0.0, 1.0, torch.randn(8))
+    ids, w = step_ops.topk_route(parts, step_ops.Selection(2, "softmax", None, True, 0.0, 1.0, torch.randn(8)))
     if parts.shape[1:] != (0, 8) or ids.shape != (0, 2) or w.shape != (0, 2):
         shapes = f"partials {tuple(parts.shape)}, ids {tuple(ids.shape)}, weights {tuple(w.shape)}"
         raise SystemExit(f"router at T = 0: {shapes}")

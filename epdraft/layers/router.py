@@ -8,7 +8,7 @@ from torch import nn
 
 from epdraft.config.ffn import RouterSpec
 from epdraft.errors import ConfigError
-from epdraft.kernels.step.ops import router_kernel_takes, router_topk, topk_route
+from epdraft.kernels.step.ops import Selection, router_kernel_takes, router_topk, topk_route
 from epdraft.layers.routing import hash_route, route
 from epdraft.layers.step_kernels import StepKernels
 
@@ -67,11 +67,11 @@ class Router(nn.Module):
         s = self.spec
         selection_bias = self.bias if s.bias == "selection" else None
         if self.launches:
-            route_args = (s.top_k, s.scoring, selection_bias, s.norm_topk_prob, s.renorm_eps, s.routed_scaling_factor,
-                          self.bias if s.bias == "logit" else None)  # fmt: skip
+            selection = Selection(s.top_k, s.scoring, selection_bias, s.norm_topk_prob, s.renorm_eps,
+                                  s.routed_scaling_factor, self.bias if s.bias == "logit" else None)  # fmt: skip
             if router_kernel_takes(x_TH.shape[0], s.num_experts):
-                return router_topk(x_TH, self.weight, *route_args)
-            return topk_route(F.linear(x_TH.float(), self.weight), *route_args)
+                return router_topk(x_TH, self.weight, selection)
+            return topk_route(F.linear(x_TH.float(), self.weight), selection)
         logits_TE = F.linear(x_TH.float(), self.weight.float())
         if s.bias == "logit":
             logits_TE = logits_TE + self.bias

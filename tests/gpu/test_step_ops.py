@@ -104,11 +104,11 @@ def test_topk_route_equals_route(scoring, E, K):
     logits = torch.randn(513, E, generator=gen, device="cuda") * 4
     bias = torch.randn(E, generator=gen, device="cuda") if scoring == "sigmoid" else None
     ref_ids, ref_w = route(logits, spec, bias)
-    ids, w = step_ops.topk_route(logits, K, scoring, bias, spec.norm_topk_prob, spec.renorm_eps,
-                                 spec.routed_scaling_factor)  # fmt: skip
+    selection = step_ops.Selection(K, scoring, bias, spec.norm_topk_prob, spec.renorm_eps, spec.routed_scaling_factor)
+    ids, w = step_ops.topk_route(logits, selection)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
-    empty_ids, empty_w = step_ops.topk_route(logits[:0], K, scoring, bias, True, 0.0, 1.0)
+    empty_ids, empty_w = step_ops.topk_route(logits[:0], step_ops.Selection(K, scoring, bias, True, 0.0, 1.0))
     assert empty_ids.shape == (0, K) and empty_w.shape == (0, K)
 
 
@@ -134,8 +134,8 @@ def test_topk_route_with_a_selection_bias_picking_low_logits(scoring):
     logits = torch.randn(257, E, generator=gen, device="cuda") * 3 - 9
     bias = torch.randn(E, generator=gen, device="cuda") * 0.5
     ref_ids, ref_w = route(logits, spec, bias)
-    ids, w = step_ops.topk_route(logits, K, scoring, bias, spec.norm_topk_prob, spec.renorm_eps,
-                                 spec.routed_scaling_factor)  # fmt: skip
+    selection = step_ops.Selection(K, scoring, bias, spec.norm_topk_prob, spec.renorm_eps, spec.routed_scaling_factor)
+    ids, w = step_ops.topk_route(logits, selection)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
 
@@ -194,8 +194,9 @@ def test_router_launches_equal_fp32_linear_then_route(scoring, bias, E, H, T):
     ids, w = router(x)
     # Router.forward took the launches, and they give the same bits every time (no atomics)
     taken = parts if step_ops.router_kernel_takes(T, E) else linear
-    launch_ids, launch_w = step_ops.topk_route(taken, K, scoring, selection_bias, spec.norm_topk_prob, spec.renorm_eps,
-                                               2.5, router.bias if bias == "logit" else None)  # fmt: skip
+    selection = step_ops.Selection(K, scoring, selection_bias, spec.norm_topk_prob, spec.renorm_eps, 2.5,
+                                   router.bias if bias == "logit" else None)  # fmt: skip
+    launch_ids, launch_w = step_ops.topk_route(taken, selection)
     assert torch.equal(ids, launch_ids) and torch.equal(w, launch_w)
     clear = _clear_tokens(logits, selection_bias, scoring, K, delta)
     assert clear.sum() >= int(0.9 * T)
@@ -215,10 +216,11 @@ def test_router_logits_of_a_row_do_not_depend_on_the_rows_around_it(E, H, rows):
     above), or eager and graph steps pick other experts on near-ties."""
     x = torch.randn(rows, H, device="cuda").bfloat16()
     w = torch.randn(E, H, device="cuda") * H**-0.5
-    full = step_ops.router_topk(x, w, 2, "softmax", None, True, 1e-20, 1.0)
+    selection = step_ops.Selection(2, "softmax", None, True, 1e-20, 1.0)
+    full = step_ops.router_topk(x, w, selection)
     for T in (1, 16, 77, 128, 300):
         T = min(T, rows)
-        part = step_ops.router_topk(x[:T], w, 2, "softmax", None, True, 1e-20, 1.0)
+        part = step_ops.router_topk(x[:T], w, selection)
         assert torch.equal(part[0], full[0][:T]) and torch.equal(part[1], full[1][:T])
 
 
@@ -234,10 +236,10 @@ def test_router_topk_is_router_logits_then_topk_route(E, H, T):
     w = torch.randn(E, H, generator=gen, device="cuda") * H**-0.5
     bias = torch.randn(E, generator=gen, device="cuda") * 0.02
     for scoring in ("softmax", "sigmoid", "sqrtsoftplus", "softmax_topk"):
-        args = (2, scoring, bias, scoring != "softmax", 1e-20, 2.5, bias * 10)
-        want = step_ops.topk_route(step_ops.router_logits(x, w), *args)
+        selection = step_ops.Selection(2, scoring, bias, scoring != "softmax", 1e-20, 2.5, bias * 10)
+        want = step_ops.topk_route(step_ops.router_logits(x, w), selection)
         for _ in range(3):
-            got = step_ops.router_topk(x, w, *args)
+            got = step_ops.router_topk(x, w, selection)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     torch.cuda.synchronize()
     assert not launch.zeroed_counts("router_topk", x.device, step_ops._ROUTER_MAX_TILES).any()

@@ -264,24 +264,30 @@ def router_logits(x_TH: torch.Tensor, weight_EH: torch.Tensor) -> torch.Tensor:
     return partials
 
 
-def _route_args(
-    top_k: int,
-    scoring: str,
-    selection_bias_E: torch.Tensor | None,
-    norm_topk_prob: bool,
-    renorm_eps: float,
-    routed_scaling_factor: float,
-    logit_bias_E: torch.Tensor | None,
-    absent: torch.Tensor,
-) -> tuple[tuple, dict]:
-    """The routing's pointer / scalar arguments and constexprs, shared by `topk_route` and
-    `router_topk` (an absent bias's pointer is `absent`, never read)."""
-    # `route` picks softmax_topk's experts by the logits alone: a selection bias does not apply
-    has_bias = selection_bias_E is not None and scoring != "softmax_topk"
-    pointers = (logit_bias_E if logit_bias_E is not None else absent, selection_bias_E if has_bias else absent)
-    constexprs = dict(TOP_K=top_k, K=next_pow2(top_k), SCORING=SCORINGS[scoring], HAS_LOGIT_BIAS=logit_bias_E is not None,
-                      HAS_BIAS=has_bias, NORM=norm_topk_prob)  # fmt: skip
-    return (*pointers, renorm_eps, routed_scaling_factor), constexprs
+class Selection(NamedTuple):
+    """How `topk_route` and `router_topk` pick and weigh a token's experts: a `RouterSpec`'s
+    scoring, top-k and weights, with the router's biases (selection_bias_E shifts the choice,
+    never the weights; logit_bias_E [E] fp32 is added to the logits)."""
+
+    top_k: int
+    scoring: str
+    selection_bias_E: torch.Tensor | None
+    norm_topk_prob: bool
+    renorm_eps: float
+    routed_scaling_factor: float
+    logit_bias_E: torch.Tensor | None = None
+
+    def launch_args(self, absent: torch.Tensor) -> tuple[tuple, dict]:
+        """(the bias pointers, renorm_eps, scale), the constexprs: what the routing launches take
+        (an absent bias's pointer is `absent`, never read)."""
+        # `route` picks softmax_topk's experts by the logits alone: a selection bias does not apply
+        has_bias = self.selection_bias_E is not None and self.scoring != "softmax_topk"
+        logit_bias = self.logit_bias_E if self.logit_bias_E is not None else absent
+        args = (logit_bias, self.selection_bias_E if has_bias else absent, self.renorm_eps, self.routed_scaling_factor)
+        constexprs = dict(TOP_K=self.top_k, K=next_pow2(self.top_k), SCORING=SCORINGS[self.scoring],
+                          HAS_LOGIT_BIAS=self.logit_bias_E is not None, HAS_BIAS=has_bias,
+                          NORM=self.norm_topk_prob)  # fmt: skip
+        return args, constexprs
 
 
 def _route_rows(splits: int, experts: int) -> int:
@@ -293,23 +299,14 @@ def _route_rows(splits: int, experts: int) -> int:
     return _ROUTER_ROWS if experts <= ROUTER_KERNEL_ANY_ROWS_EXPERTS and fits else 1
 
 
-def topk_route(
-    logits_STE: torch.Tensor,
-    top_k: int,
-    scoring: str,
-    selection_bias_E: torch.Tensor | None,
-    norm_topk_prob: bool,
-    renorm_eps: float,
-    routed_scaling_factor: float,
-    logit_bias_E: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_route(logits_STE: torch.Tensor, selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [T, K] int64, weights [T, K] fp32) in one launch: what `epdraft.layers.routing.route`
     computes without group-limited selection (ties go to the lower expert; E up to a few thousand:
     one program holds a token's E logits).
 
     logits_STE: fp32 partial logits [S, T, E] (`router_logits`), summed in split order, or
-    finished logits [T, E] (S = 1); logit_bias_E [E] fp32 is added to the sum, as `Router.forward`
-    adds it to the logits.
+    finished logits [T, E] (S = 1); the selection's logit bias is added to the sum, as
+    `Router.forward` adds it to the logits.
     Raises:
         ConfigError: logits not fp32, or of neither shape.
     """
@@ -320,12 +317,11 @@ def topk_route(
         raise ConfigError(f"topk_route: logits {got}, expected fp32 [S, T, E] or [T, E]")
     parts = logits_STE if logits_STE.dim() == 3 else logits_STE.unsqueeze(0)
     S, T, E = parts.shape
-    ids = torch.empty(T, top_k, dtype=torch.long, device=parts.device)
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=parts.device)
+    ids = torch.empty(T, selection.top_k, dtype=torch.long, device=parts.device)
+    weights = torch.empty(T, selection.top_k, dtype=torch.float32, device=parts.device)
     if T:
         parts = parts if parts.stride(-1) == 1 else parts.contiguous()
-        args, constexprs = _route_args(top_k, scoring, selection_bias_E, norm_topk_prob, renorm_eps,
-                                       routed_scaling_factor, logit_bias_E, parts)  # fmt: skip
+        args, constexprs = selection.launch_args(parts)
         rows, block_e = _route_rows(S, E), max(16, next_pow2(E))
         # a token's S partials are loaded at once (unrolled): at most ~64 fp32 registers a thread
         warps = 4 if rows > 1 else min(8, max(1 if E <= 256 else 4, next_pow2(-(-S * block_e // 2048))))
@@ -336,28 +332,17 @@ def topk_route(
     return ids, weights
 
 
-def router_topk(
-    x_TH: torch.Tensor,
-    weight_EH: torch.Tensor,
-    top_k: int,
-    scoring: str,
-    selection_bias_E: torch.Tensor | None,
-    norm_topk_prob: bool,
-    renorm_eps: float,
-    routed_scaling_factor: float,
-    logit_bias_E: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`topk_route(router_logits(x_TH, weight_EH), ...)`, the same bits, in one launch where the
+def router_topk(x_TH: torch.Tensor, weight_EH: torch.Tensor, selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
+    """`topk_route(router_logits(x_TH, weight_EH), selection)`, the same bits, in one launch where the
     routing fits the logits launch (up to ROUTER_KERNEL_MAX_ROWS rows whose partials fit one
     program's tile, `_route_rows`: e.g. 8 experts over H = 4096): the last of a row tile's H
     slices to finish routes the tile. Elsewhere the two launches.
     """
     T, H = x_TH.shape
     E = weight_EH.shape[0]
-    args = (top_k, scoring, selection_bias_E, norm_topk_prob, renorm_eps, routed_scaling_factor, logit_bias_E)
     splits = -(-H // _router_split(H))
     if not 0 < T <= ROUTER_KERNEL_MAX_ROWS or _route_rows(splits, E) != _ROUTER_ROWS:
-        return topk_route(router_logits(x_TH, weight_EH), *args)
+        return topk_route(router_logits(x_TH, weight_EH), selection)
     launch.refuse_autograd("router_topk", x_TH)
     from epdraft.kernels.step._step_triton import router_topk_kernel
 
@@ -366,9 +351,9 @@ def router_topk(
     x, w = _rows(x_TH), _rows(weight_EH)
     tiles = -(-T // _ROUTER_ROWS)
     partials = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, top_k, dtype=torch.long, device=x.device)
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    route_args, constexprs = _route_args(*args, partials)
+    ids = torch.empty(T, selection.top_k, dtype=torch.long, device=x.device)
+    weights = torch.empty(T, selection.top_k, dtype=torch.float32, device=x.device)
+    route_args, constexprs = selection.launch_args(partials)
     block_e, block_h = _router_tiles(E, _router_split(H))
     router_topk_kernel[(tiles, splits)](
         x, w, partials, launch.zeroed_counts("router_topk", x.device, _ROUTER_MAX_TILES), *route_args[:2], ids,
