@@ -71,7 +71,7 @@ class Router(nn.Module):
                                   s.routed_scaling_factor, self.bias if s.bias == "logit" else None)  # fmt: skip
             if router_kernel_takes(x_TH.shape[0], s.num_experts):
                 return router_topk(x_TH, self.weight, selection)
-            return topk_route(F.linear(x_TH.float(), self.weight), selection)
+            return topk_route(F.linear(x_TH.float(), self.weight.float()), selection)
         logits_TE = F.linear(x_TH.float(), self.weight.float())
         if s.bias == "logit":
             logits_TE = logits_TE + self.bias

@@ -96,8 +96,9 @@ def test_kv_norm_rope_store_equals_context_kv_and_pool_writes(dtype, T, g, D):
 
 
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "sqrtsoftplus", "softmax_topk"])
-@pytest.mark.parametrize("E,K", [(8, 2), (128, 3), (256, 8), (60, 1)])
+@pytest.mark.parametrize("E,K", [(8, 2), (8, 1), (16, 2), (32, 4), (128, 3), (256, 8), (60, 1)])
 def test_topk_route_equals_route(scoring, E, K):
+    """Against `route` on finished logits: up to 32 experts 16 tokens a program, above one."""
     spec = RouterSpec(num_experts=E, top_k=K, scoring=scoring, norm_topk_prob=scoring != "softmax",
                       routed_scaling_factor=2.5, renorm_eps=1e-20)  # fmt: skip
     gen = torch.Generator(device="cuda").manual_seed(E * K)
@@ -119,7 +120,7 @@ def test_topk_route_of_nan_logits_picks_experts_that_exist(scoring):
     logits = torch.randn(40, 12, device="cuda")
     logits[::2] = float("nan")
     logits[1::4, 3] = float("nan")
-    ids, _ = step_ops.topk_route(logits, 4, scoring, None, True, 1e-20, 1.0)
+    ids, _ = step_ops.topk_route(logits, step_ops.Selection(4, scoring, None, True, 1e-20, 1.0))
     assert ids.min() >= 0 and ids.max() < 12
     assert all(len(set(row)) == 4 for row in ids.tolist())
 
