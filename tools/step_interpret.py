@@ -111,7 +111,7 @@ def main() -> None:
         logits[::2] = float("nan")
         logits[1::4, 3] = float("nan")
         logits[3::8, 5] = float("-inf")
-        ids, _ = step_ops.topk_route(logits, 4, scoring, None, True, 1e-20, 1.0)
+        ids, _ = step_ops.topk_route(logits, step_ops.Selection(4, scoring, None, True, 1e-20, 1.0))
         if ids.min() < 0 or ids.max() >= 12 or any(len(set(row)) != 4 for row in ids.tolist()):
             raise SystemExit(f"topk_route {scoring} of NaN / -inf logits: ids {ids.tolist()}")
         print(f"topk_route {scoring} of NaN / -inf logits: 4 distinct experts a row in [0, 12)")
