@@ -10,7 +10,7 @@ from torch import nn
 from epdraft.dispatch.plan import StepPlan
 from epdraft.config.ffn import ActivationSpec
 from epdraft.config.quant import QuantSpec
-from epdraft.kernels.step.ops import Epilogue, ffn_residual
+from epdraft.kernels.step.ops import Epilogue, ffn_residual, refuse_epilogue
 from epdraft.layers.projection import gate_up, project, share_storage
 from epdraft.layers.step_kernels import StepKernels
 from epdraft.loading import TensorSource, check_ffn_loaded, load_into
@@ -80,6 +80,7 @@ class DraftMLP(nn.Module):
         y_TH = self.ungated(x_TH)
         if self.kernels.step_ops == "triton" and (residual_TH is not None or self.output_gate is not None):
             return self.add_gated(x_TH, y_TH, residual_TH, epilogue=epilogue)
+        refuse_epilogue("DraftMLP", epilogue)
         y_TH = self.gated(x_TH, y_TH)
         return y_TH if residual_TH is None else residual_TH + y_TH
 

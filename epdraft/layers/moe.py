@@ -12,7 +12,7 @@ from epdraft.config.hf import DraftMixFFNSpec
 from epdraft.config.quant import QuantSpec
 from epdraft.dispatch import Dispatcher, MoeLayout, ReplicatedDispatcher, StepPlan
 from epdraft.kernels.launch import Fork
-from epdraft.kernels.step.ops import Epilogue, ffn_residual
+from epdraft.kernels.step.ops import Epilogue, ffn_residual, refuse_epilogue
 from epdraft.layers.mlp import DraftMLP
 from epdraft.layers.routed_experts import RoutedExperts
 from epdraft.layers.router import Router
@@ -127,6 +127,7 @@ class DraftMoE(nn.Module):
             return self.shared.add_gated(x_TH, shared_TH, residual_TH, routed_TH=y_TH, epilogue=epilogue)
         if self.kernels.step_ops == "triton" and residual_TH is not None:
             return ffn_residual(residual_TH, y_TH, epilogue=epilogue)
+        refuse_epilogue("DraftMoE", epilogue)
         if shared_TH is not None:
             y_TH = y_TH + self.shared.gated(x_TH, shared_TH)
         return y_TH if residual_TH is None else residual_TH + y_TH

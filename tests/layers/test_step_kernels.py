@@ -124,6 +124,19 @@ def test_layers_pick_their_forward_at_construction():
     assert plain.shared is None and DraftMLP(H, I, kernels=launches).kernels is launches
 
 
+def test_an_ffn_on_its_torch_chain_refuses_an_epilogue():
+    """Only the Triton residual launch writes an epilogue's norm and flag: the torch chain raises
+    rather than leave the next layer reading uninitialised rows."""
+    from epdraft.kernels.step.ops import Epilogue
+
+    x, residual = torch.randn(3, H), torch.randn(3, H)
+    epilogue = Epilogue(torch.ones(H), 1e-6, torch.empty(3, H), torch.zeros(1, dtype=torch.int32))
+    for ffn in (DraftMLP(H, I, kernels=StepKernels.reference()), DraftMoE(_moe(), H, kernels=StepKernels.reference())):
+        with pytest.raises(ConfigError, match=f"{type(ffn).__name__}: an epilogue .* needs the Triton step ops"):
+            ffn(x, residual_TH=residual, epilogue=epilogue)
+        torch.testing.assert_close(ffn(x, residual_TH=residual), residual + ffn(x))  # without one, as before
+
+
 def test_a_draft_hands_one_value_to_every_module():
     kernels = StepKernels(step_ops="triton", attention="triton")
     spec = DraftModelSpec.from_config(draft_config())

@@ -445,6 +445,15 @@ class Epilogue(NamedTuple):
     nonfinite_1: torch.Tensor
 
 
+def refuse_epilogue(owner: str, epilogue: Epilogue | None) -> None:
+    """ConfigError where an FFN would take its torch chain with an `epilogue`: only the Triton
+    residual launch writes the next norm and the flag, and a caller reading them would read
+    uninitialised rows and a flag that never fires."""
+    if epilogue is not None:
+        raise ConfigError(f"{owner}: an epilogue (the next norm and the non-finite flag) needs the Triton step ops' "
+                          "residual launch; this FFN runs its torch chain")  # fmt: skip
+
+
 def ffn_residual(
     residual_TH: torch.Tensor | None,
     y_TH: torch.Tensor | None,
