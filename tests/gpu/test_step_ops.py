@@ -376,38 +376,57 @@ def test_skinny_split_launches_on_both_streams_at_once_count_apart():
 @torch.no_grad()
 def test_pdl_launches_equal_launches_without_pdl_eager_and_in_a_graph():
     """Programmatic dependent launch changes when a kernel starts, never what it reads: a chain of
-    100 dependent launches (each reading the one before's output, the skinny ones prefetching
-    their weights before the wait) gives the same bits with PDL as without, eager and replayed."""
+    ~130 dependent launches (each reading the one before's output, the skinny ones prefetching
+    their weights before the wait; the router's logits + top-k in one launch, whose last program
+    of a row tile reads the others' partials; the FFN residual writing the next norm and the
+    finite flag) gives the same bits with PDL as without, eager and replayed behind a busy stream."""
 
     device = torch.device("cuda", torch.cuda.current_device())
     if not launch.pdl(device):
         pytest.skip("PDL needs sm_90 or newer")
-    H, I = 4096, 1536
+    H, I, E = 4096, 1536, 8
     norm_w = torch.randn(H, device=device).bfloat16()
     wg, wu = (torch.randn(I, H, device=device).bfloat16() * H**-0.5 for _ in range(2))
     w_down = torch.randn(H, I, device=device).bfloat16() * I**-0.5
+    router_w = torch.randn(E, H, device=device).bfloat16() * H**-0.5
+    selection = step_ops.Selection(2, "softmax", None, True, 1e-20, 1.0)
     x = torch.randn(16, H, device=device).bfloat16()
 
-    def chain(h: torch.Tensor) -> torch.Tensor:
+    def chain(h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         y = torch.zeros_like(h)
         for _ in range(33):  # 3 launches each, all with PDL
             normed, h = step_ops.rms_norm(h, norm_w, 1e-6, residual=y)
             y = skinny.linear(skinny.gate_up_act(normed, wg, wu, True, 0.0, 1.0), [w_down])
-        return h + y
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        routed = []
+        for _ in range(10):  # the router's launch reads the epilogue's norm; the FFN's reads its weights
+            epilogue = step_ops.Epilogue(norm_w, 1e-6, torch.empty_like(h), flag)
+            h = step_ops.ffn_residual(h, y, epilogue=epilogue)
+            ids, weights = step_ops.router_topk(epilogue.normed_TH, router_w, selection)
+            routed.append(ids)
+            y = skinny.linear(skinny.gate_up_act(epilogue.normed_TH, wg, wu, True, 0.0, 1.0), [w_down])
+            y = y * weights[:, :1].to(y.dtype)
+        return h + y, torch.stack(routed), flag
 
     with_pdl = chain(x)
     with launch.pdl_off():
         without = chain(x)
-    assert torch.isfinite(without).all()
-    assert torch.equal(with_pdl, without)
+    assert torch.isfinite(without[0]).all() and without[2].item() == 0
+    assert len(without[1].unique()) > 1  # the routing varies: a stale read would show
+    for got, want in zip(with_pdl, without, strict=True):
+        assert torch.equal(got, want)
     static_x = x.clone()
     graph = torch.cuda.CUDAGraph()
     chain(static_x)  # warm: compile every launch before the capture
     with torch.cuda.graph(graph):
         static_out = chain(static_x)
-    for _ in range(3):
+    for _ in range(20):
+        torch.cuda._sleep(100_000)  # the replay queued behind a busy stream
         graph.replay()
-        assert torch.equal(static_out, without)
+        for got, want in zip(static_out, without, strict=True):
+            assert torch.equal(got, want)
+    counts = launch.zeroed_counts("router_topk", device, step_ops._ROUTER_MAX_TILES)
+    assert not counts.any(), "router_topk left arrival counts set"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
