@@ -6,7 +6,6 @@ counts, then commit) under graphs never synchronizes the host."""
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 from epdraft.bench.step import RandomHeads
 from epdraft.models import load_draft
 from epdraft.runtime.graphs import CommitGraphs, bucket_for
-from tests.gpu.test_draft_step import _draft
+from tests.gpu.test_draft_step import _draft, kernels_of
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -84,19 +83,6 @@ def _two_pools(draft):
     return pools, slots, counts, draft.spec.num_target_features * draft.spec.hidden_size
 
 
-@contextlib.contextmanager
-def _kernels_of(draft, kernels):
-    """Every module of `draft` runs `kernels` inside the block (they pick their path per call from it)."""
-    saved = [(m, m.kernels) for m in draft.modules() if hasattr(m, "kernels")]
-    try:
-        for m, _ in saved:
-            m.kernels = kernels
-        yield
-    finally:
-        for m, before in saved:
-            m.kernels = before
-
-
 @torch.no_grad()
 def test_triton_write_context_equals_the_torch_chain():
     """The commit's K/V launches (projections + `kv_norm_rope_store`) write what the torch chain
@@ -108,7 +94,7 @@ def test_triton_write_context_equals_the_torch_chain():
     pools, slots, counts, width = _two_pools(draft)
     rows = torch.randn(4 * (draft.num_drafts + 1), width, device="cuda").bfloat16()
     draft.write_context(pools[0], slots, counts, rows)
-    with _kernels_of(draft, StepKernels.reference()):
+    with kernels_of(draft, StepKernels.reference()):
         draft.write_context(pools[1], slots, counts, rows)
     assert torch.equal(pools[0].lengths, pools[1].lengths)
     for got, want in zip(pools[0].buffers, pools[1].buffers):
@@ -139,7 +125,7 @@ def test_commit_with_odd_layers_on_the_side_stream_equals_it_in_line():
         torch.cuda._sleep(2_000_000)
         static.copy_(r)
         draft.write_context(pools[0], slots, counts, static)
-    with _kernels_of(draft, msgspec.structs.replace(draft.kernels, side_stream=False)):
+    with kernels_of(draft, msgspec.structs.replace(draft.kernels, side_stream=False)):
         for r in rows:
             draft.write_context(pools[1], slots, counts, r)
     assert torch.equal(pools[0].lengths, pools[1].lengths)

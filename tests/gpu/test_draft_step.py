@@ -4,6 +4,8 @@ context, and no host synchronization inside a replayed step."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -34,6 +36,19 @@ def test_block_attention_kernel_equals_reference(dtype, N, h, g, B, S):
     ref = block_attention_reference(q.float(), k.float(), v.float(), slots, lens)
     dy = (got.float() - ref).abs()
     assert dy.max() <= (2e-2 if dtype == torch.bfloat16 else 1e-4), dy.max()
+
+
+@contextlib.contextmanager
+def kernels_of(draft, kernels):
+    """Every module of `draft` runs `kernels` inside the block (they pick their path per call from it)."""
+    saved = [(m, m.kernels) for m in draft.modules() if hasattr(m, "kernels")]
+    try:
+        for m, _ in saved:
+            m.kernels = kernels
+        yield
+    finally:
+        for m, before in saved:
+            m.kernels = before
 
 
 def _draft():
@@ -81,3 +96,48 @@ def test_pooled_step_equals_cache_step_in_bf16():
     got = draft.norm(x).float()
     dy, scale = (got - ref).abs(), ref.abs().mean()
     assert dy.max() <= 0.2 * scale and dy.mean() <= 0.02 * scale, (dy.max(), dy.mean(), scale)
+
+
+@torch.no_grad()
+def test_step_norm_chain_and_flags_equal_the_torch_chain():
+    """The Triton step's layer-to-layer chain (each layer's last launch writing the next layer's
+    input norm, the last layer's the final norm, and its own finite flag) against the same draft
+    on the torch chain: the read-out rows within bf16 roundings under norms of distinct weights
+    (a norm taken from the wrong layer would show), the flags equal; a NaN entering layer 1's FFN
+    flags layer 1 and not layer 0."""
+    from epdraft.layers.step_kernels import StepKernels
+
+    spec, draft, heads = _draft()
+    assert draft.kernels.step_ops == "triton" and spec.num_layers == 2
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for name, t in draft.named_parameters():
+        if name.endswith("norm.weight"):
+            t.copy_(1 + 0.5 * torch.randn(t.shape, generator=gen, device="cuda"))
+    width = spec.num_target_features * spec.hidden_size
+    features = [torch.randn(L, width, generator=gen, device="cuda").bfloat16() for L in (40, 1, 300)]
+    pool = draft.new_pool(max_requests=4, max_context=400)
+    for rid in range(3):
+        pool.admit(rid)
+    draft.extend(pool, [0, 1, 2], features)
+    slots = torch.tensor([pool.slot(r) for r in range(3)], device="cuda")
+    anchors = torch.tensor([5, 6, 7], device="cuda")
+    read = []
+    read_out = draft.read_out
+
+    def spy(hidden, *args, **kw):
+        read.append(hidden.float().clone())
+        return read_out(hidden, *args, **kw)
+
+    draft.read_out = spy
+    try:
+        triton_step = draft.step(pool, slots, anchors, heads, None)
+        with kernels_of(draft, StepKernels.reference()):
+            torch_step = draft.step(pool, slots, anchors, heads, None)
+        got, ref = read
+        dy, scale = (got - ref).abs(), ref.abs().mean()
+        assert dy.max() <= 0.2 * scale and dy.mean() <= 0.02 * scale, (dy.max(), dy.mean(), scale)
+        assert triton_step.finite_L.tolist() == torch_step.finite_L.tolist() == [True, True]
+        draft.layers[1].post_attention_layernorm.weight[0] = float("nan")
+        assert draft.step(pool, slots, anchors, heads, None).finite_L.tolist() == [True, False]
+    finally:
+        del draft.read_out
