@@ -132,6 +132,8 @@ def test_an_ffn_on_its_torch_chain_refuses_an_epilogue():
     x, residual = torch.randn(3, H), torch.randn(3, H)
     epilogue = Epilogue(torch.ones(H), 1e-6, torch.empty(3, H), torch.zeros(1, dtype=torch.int32))
     for ffn in (DraftMLP(H, I, kernels=StepKernels.reference()), DraftMoE(_moe(), H, kernels=StepKernels.reference())):
+        for p in ffn.parameters():  # the layers allocate their weights uninitialised, as a checkpoint fills them
+            torch.nn.init.normal_(p, std=0.05)
         with pytest.raises(ConfigError, match=f"{type(ffn).__name__}: an epilogue .* needs the Triton step ops"):
             ffn(x, residual_TH=residual, epilogue=epilogue)
         torch.testing.assert_close(ffn(x, residual_TH=residual), residual + ffn(x))  # without one, as before
