@@ -205,7 +205,45 @@ def main() -> None:
              gated_act(F.linear(x, ws[0]), F.linear(x, ws[0] * 0.5), act))  # fmt: skip
     if launch.zeroed_counts("skinny", torch.device("cpu"), skinny._MAX_TILES).any():
         raise SystemExit("skinny: the split launches left an arrival count non-zero")
+    rows.append(("a draft step's norm chain (epilogues), read-out rows", _step_chain()))
     _report(rows)
+
+
+def _step_chain() -> float:
+    """A whole 2-layer MoE draft step with the Triton step ops (each layer's last launch making the
+    next layer's input norm, the last the final norm) against the torch chain, under norms of
+    distinct weights (a norm taken from the wrong layer moves every row by tens of %): the rows the
+    read-out gets, max |dy| / max(1, max |ref|); SystemExit if the drafts or the flags differ."""
+    from epdraft.bench.step import RandomHeads, preset_config
+    from epdraft.layers.step_kernels import StepKernels
+    from epdraft.models import DFlashDraft, DraftModelSpec
+
+    shape = dict(hidden=128, heads=4, kv_heads=2, layers=2, experts=8, moe_intermediate=64, top_k=2, vocab=512,
+                 block_size=16)  # fmt: skip
+    spec = DraftModelSpec.from_config(preset_config(shape))
+    gen = torch.Generator().manual_seed(3)
+    drafts = [DFlashDraft(spec, dtype=torch.float32, device="cpu", kernels=k).eval()
+              for k in (StepKernels(step_ops="triton"), StepKernels.reference())]  # fmt: skip
+    with torch.no_grad():
+        for name, t in drafts[0].named_parameters():
+            t.copy_(1 + 0.5 * torch.randn(t.shape, generator=gen) if name.endswith("norm.weight")
+                    else torch.randn(t.shape, generator=gen) * t.shape[-1] ** -0.5)  # fmt: skip
+        drafts[1].load_state_dict(drafts[0].state_dict())
+    heads = RandomHeads(spec.vocab_size, spec.hidden_size, dtype=torch.float32, device=torch.device("cpu"))
+    features = [torch.randn(L, spec.num_target_features * spec.hidden_size, generator=gen) for L in (40, 1, 30)]
+    read, steps = [], []
+    for draft in drafts:
+        pool = draft.new_pool(max_requests=4, max_context=100)
+        for rid in range(3):
+            pool.admit(rid)
+        read_out = draft.read_out
+        draft.read_out = lambda hidden, *args, read_out=read_out, **kw: read.append(hidden) or read_out(hidden, *args, **kw)
+        with torch.no_grad():
+            draft.extend(pool, [0, 1, 2], features)
+            steps.append(draft.step(pool, torch.tensor([pool.slot(r) for r in range(3)]), torch.tensor([5, 6, 7]), heads, None))
+    if not torch.equal(steps[0].drafts_NK, steps[1].drafts_NK) or steps[0].finite_L.tolist() != [True, True]:
+        raise SystemExit(f"the step's norm chain: drafts or flags differ ({steps[0].finite_L.tolist()})")
+    return ((read[0] - read[1]).abs().max() / read[1].abs().max().clamp(min=1)).item()
 
 
 if __name__ == "__main__":

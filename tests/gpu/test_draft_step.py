@@ -134,8 +134,12 @@ def test_step_norm_chain_and_flags_equal_the_torch_chain():
         with kernels_of(draft, StepKernels.reference()):
             torch_step = draft.step(pool, slots, anchors, heads, None)
         got, ref = read
-        dy, scale = (got - ref).abs(), ref.abs().mean()
-        assert dy.max() <= 0.2 * scale and dy.mean() <= 0.02 * scale, (dy.max(), dy.mean(), scale)
+        # per read-out row, the error relative to the row's scale: bf16 roundings move a row by ~1 %;
+        # a norm of the wrong layer (weights 1 + 0.5 N(0, 1) apart) by tens of % in every row. A
+        # token whose roundings flip a near-tie in its top-2 of 8 experts differs as a whole row, so
+        # a few rows may (one in ten at most). tools/step_interpret.py holds the chain in fp32.
+        rel = ((got - ref).abs().mean(-1) / ref.abs().mean(-1)).flatten()
+        assert rel.median() <= 0.03 and (rel > 0.1).float().mean() <= 0.1, sorted(rel.tolist())
         assert triton_step.finite_L.tolist() == torch_step.finite_L.tolist() == [True, True]
         draft.layers[1].post_attention_layernorm.weight[0] = float("nan")
         assert draft.step(pool, slots, anchors, heads, None).finite_L.tolist() == [True, False]
