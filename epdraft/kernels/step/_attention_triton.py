@@ -1,11 +1,12 @@
 """The Triton program of `block_attention` (imported on first launch, never at package import).
 
-One program per (request, KV head, key split), reading the request's pool slot `slots[n]`: the block's query rows of every query head that
-shares the KV head (G heads x B rows, one MMA tile) against the split's key tiles, online softmax
-in fp32; it writes the split's unnormalized output with its row max and row sum, which the caller
-merges. Keys past the request's length are never read, so the cost follows each request's own
-context, not the pool's capacity, and the grid (hence a CUDA graph of it) does not depend on
-the lengths.
+One program per (request, KV head, key split), reading the request's pool slot `slots[n]`: the
+block's query rows of every query head that shares the KV head (G heads x B rows, one MMA tile)
+against the split's key tiles, online softmax in fp32; it writes the split's unnormalized output
+with its row max and row sum, which the caller merges, or, where the keys take one split (FINISH),
+the normalized output itself. Keys past the request's length are never read, so the cost follows
+each request's own context, not the pool's capacity, and the grid (hence a CUDA graph of it) does
+not depend on the lengths.
 """
 
 from __future__ import annotations
@@ -18,17 +19,18 @@ from epdraft.kernels._launch_triton import enter
 
 @triton.jit
 def block_attention_split_kernel(
-    q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, acc_ptr, stat_ptr,
+    q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, acc_ptr, stat_ptr, out_ptr,
     stride_qn, stride_qh, stride_qb,
     stride_kn, stride_kh, stride_ks,
     stride_vn, stride_vh, stride_vs,
     stride_an, stride_ah, stride_as, stride_ar,
     stride_sn, stride_sh, stride_ss,
+    stride_on, stride_ob, stride_oh,
     scale_log2,
     chunk,
     G: tl.constexpr, B: tl.constexpr, D: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
+    FINISH: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     enter(PDL)
     n = tl.program_id(0)
@@ -69,8 +71,12 @@ def block_attention_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    a_ptrs = acc_ptr + n * stride_an + j * stride_ah + split * stride_as + rows[:, None] * stride_ar + d[None, :]
-    tl.store(a_ptrs, acc, mask=row_ok[:, None] & d_ok[None, :])
-    s_base = stat_ptr + n * stride_sn + j * stride_sh + split * stride_ss
-    tl.store(s_base + rows * 2, m_i, mask=row_ok)
-    tl.store(s_base + rows * 2 + 1, l_i, mask=row_ok)
+    if FINISH:  # the one split: l_i >= 1 (the row's max key contributes 2^0), as the merge divides
+        o_ptrs = out_ptr + n * stride_on + (rows % B)[:, None] * stride_ob + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        a_ptrs = acc_ptr + n * stride_an + j * stride_ah + split * stride_as + rows[:, None] * stride_ar + d[None, :]
+        tl.store(a_ptrs, acc, mask=row_ok[:, None] & d_ok[None, :])
+        s_base = stat_ptr + n * stride_sn + j * stride_sh + split * stride_ss
+        tl.store(s_base + rows * 2, m_i, mask=row_ok)
+        tl.store(s_base + rows * 2 + 1, l_i, mask=row_ok)

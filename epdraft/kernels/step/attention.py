@@ -1,9 +1,9 @@
 """Block attention of a draft step: each request's B block rows attend, non-causally, to the first
 `kv_lens[n]` keys of its KV pool slot `slots[n]` (its context, then the block itself), in place.
 
-`block_attention` is the Triton kernel (CUDA; split-K over keys, then one merge launch, no host
-sync, a grid that depends on shapes only, so a CUDA graph can hold it); `block_attention_reference`
-is the same contract through torch's SDPA with a length mask (any device, the tests' oracle).
+`block_attention` is the Triton kernel (CUDA; split-K over keys, then one merge launch where the
+keys take more than one split; no host sync, a grid that depends on shapes only, so a CUDA graph
+can hold it); `block_attention_reference` is the same contract through torch's SDPA with a length mask (any device, the tests' oracle).
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def block_attention(
 
 
 def _launch(q_NhBD, k_NgSD, v_NgSD, slots_N, kv_lens_N) -> torch.Tensor:
-    """The split launch and the merge launch (also what Triton's CPU interpreter runs in development)."""
+    """The split launch and, past one split, the merge launch (also what Triton's CPU interpreter
+    runs in development)."""
     from epdraft.kernels.step._attention_triton import block_attention_split_kernel
 
     for name, t in (("q", q_NhBD), ("k", k_NgSD), ("v", v_NgSD)):
@@ -129,23 +130,30 @@ def _launch(q_NhBD, k_NgSD, v_NgSD, slots_N, kv_lens_N) -> torch.Tensor:
     rows = max(16, next_pow2(G * B))
     splits = num_splits_for(N, g, S)
     chunk = math.ceil(math.ceil(S / splits) / _BLOCK_S) * _BLOCK_S
-    acc = q_NhBD.new_empty(N, g, splits, rows, D, dtype=torch.float32)
-    stat = q_NhBD.new_empty(N, g, splits, rows, 2, dtype=torch.float32)
+    # [N, B, h, D] memory, returned as its [N, h, B, D] view: the o_proj reads it without a copy
+    out_NBhD = q_NhBD.new_empty(N, B, h, D)
+    # one split (32+ requests at 8 KV heads): the split launch writes the output, no partials, no merge
+    finish = splits == 1
+    if finish:
+        acc = stat = out_NBhD  # never read nor written: stand-ins for the partials' pointer and strides
+    else:
+        acc = q_NhBD.new_empty(N, g, splits, rows, D, dtype=torch.float32)
+        stat = q_NhBD.new_empty(N, g, splits, rows, 2, dtype=torch.float32)
     if N:
         block_attention_split_kernel[(N, g, splits)](
-            q_NhBD, k_NgSD, v_NgSD, slots_N, kv_lens_N, acc, stat,
+            q_NhBD, k_NgSD, v_NgSD, slots_N, kv_lens_N, acc, stat, out_NBhD,
             q_NhBD.stride(0), q_NhBD.stride(1), q_NhBD.stride(2),
             k_NgSD.stride(0), k_NgSD.stride(1), k_NgSD.stride(2),
             v_NgSD.stride(0), v_NgSD.stride(1), v_NgSD.stride(2),
             acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3),
             stat.stride(0), stat.stride(1), stat.stride(2),
+            *out_NBhD.stride()[:3],
             D**-0.5 * math.log2(math.e),
             chunk,
             G=G, B=B, D=D, ROWS=rows, BLOCK_S=_BLOCK_S, BLOCK_D=max(16, next_pow2(D)),
             PRECISION="ieee" if q_NhBD.dtype == torch.float32 else "tf32",  # fp32 means fp32, not TF32
-            num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **launch.kwargs(q_NhBD.device),
+            FINISH=finish, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **launch.kwargs(q_NhBD.device),
         )  # fmt: skip
-    # [N, B, h, D] memory, returned as its [N, h, B, D] view: the o_proj reads it without a copy
-    out_NBhD = q_NhBD.new_empty(N, B, h, D)
-    merge_attention_splits(acc, stat, out_NBhD, G, B)
+    if not finish:
+        merge_attention_splits(acc, stat, out_NBhD, G, B)
     return out_NBhD.transpose(1, 2)
