@@ -23,7 +23,9 @@ SMALL = dict(hidden=512, heads=8, kv_heads=2, layers=2, experts=8, moe_intermedi
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 # (3, ..) and (40, ..) take one key split (the split launch writes the output); the others 2-5 and the merge
-@pytest.mark.parametrize("N,h,g,B,S", [(1, 32, 8, 16, 1040), (8, 32, 8, 16, 300), (64, 8, 2, 16, 2000), (3, 6, 3, 5, 77), (40, 32, 8, 16, 1100)])
+@pytest.mark.parametrize(
+    "N,h,g,B,S", [(1, 32, 8, 16, 1040), (8, 32, 8, 16, 300), (64, 8, 2, 16, 2000), (3, 6, 3, 5, 77), (40, 32, 8, 16, 1100)]
+)
 def test_block_attention_kernel_equals_reference(dtype, N, h, g, B, S):
     gen = torch.Generator(device="cuda").manual_seed(N * S)
     P, D = N + 2, 128

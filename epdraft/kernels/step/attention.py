@@ -3,7 +3,8 @@
 
 `block_attention` is the Triton kernel (CUDA; split-K over keys, then one merge launch where the
 keys take more than one split; no host sync, a grid that depends on shapes only, so a CUDA graph
-can hold it); `block_attention_reference` is the same contract through torch's SDPA with a length mask (any device, the tests' oracle).
+can hold it); `block_attention_reference` is the same contract through torch's SDPA with a length
+mask (any device, the tests' oracle).
 """
 
 from __future__ import annotations
