@@ -139,6 +139,27 @@ def test_an_ffn_on_its_torch_chain_refuses_an_epilogue():
         torch.testing.assert_close(ffn(x, residual_TH=residual), residual + ffn(x))  # without one, as before
 
 
+def test_ffn_residual_refuses_an_epilogue_it_would_misread():
+    """The launch writes the norm as [T, H] rows by their stride and reads H weights and one int32
+    flag: a [N, B, H] buffer would be written B rows apart, a short weight read past its end; each
+    is refused naming the tensor, before Triton is needed."""
+    from epdraft.kernels.step.ops import Epilogue, ffn_residual
+
+    r, y = torch.randn(6, H).bfloat16(), torch.randn(6, H).bfloat16()
+    weight, flag = torch.ones(H), torch.zeros(1, dtype=torch.int32)
+    bad = {
+        rf"normed_TH \(2, 3, {H}\) torch.bfloat16 .*: expected \[6, {H}\] torch.bfloat16": Epilogue(
+            weight, 1e-6, torch.empty(2, 3, H).bfloat16(), flag),
+        rf"normed_TH \(6, {H}\) torch.float32": Epilogue(weight, 1e-6, torch.empty(6, H), flag),
+        rf"norm_weight_H \({H - 1},\): expected \[{H}\]": Epilogue(torch.ones(H - 1), 1e-6, torch.empty_like(r), flag),
+        r"nonfinite_1 \(1,\) torch.int64": Epilogue(weight, 1e-6, torch.empty_like(r), torch.zeros(1, dtype=torch.long)),
+        "the epilogue's tensors on meta, cpu, cpu": Epilogue(weight, 1e-6, torch.empty_like(r, device="meta"), flag),
+    }  # fmt: skip
+    for message, epilogue in bad.items():
+        with pytest.raises(ConfigError, match="ffn_residual's epilogue: .*" + message):
+            ffn_residual(r, y, epilogue=epilogue)
+
+
 def test_a_draft_hands_one_value_to_every_module():
     kernels = StepKernels(step_ops="triton", attention="triton")
     spec = DraftModelSpec.from_config(draft_config())

@@ -445,6 +445,25 @@ class Epilogue(NamedTuple):
     nonfinite_1: torch.Tensor
 
 
+def _check_epilogue(epilogue: Epilogue, T: int, H: int, rows: torch.Tensor) -> None:
+    """ConfigError for an epilogue the launch would misread: it writes normed_TH as [T, H] rows
+    (by its row stride) in the rows' dtype, reads H norm weights and one int32 flag."""
+    normed, weight, flag = epilogue.normed_TH, epilogue.norm_weight_H, epilogue.nonfinite_1
+    problems = []
+    if normed.shape != (T, H) or normed.stride(-1) != 1 or normed.dtype != rows.dtype:
+        problems.append(f"normed_TH {tuple(normed.shape)} {normed.dtype} strides {normed.stride()}: expected "
+                        f"[{T}, {H}] {rows.dtype} with unit-stride rows")  # fmt: skip
+    if weight.shape != (H,):
+        problems.append(f"norm_weight_H {tuple(weight.shape)}: expected [{H}]")
+    if flag.shape != (1,) or flag.dtype != torch.int32:
+        problems.append(f"nonfinite_1 {tuple(flag.shape)} {flag.dtype}: expected [1] torch.int32")
+    if any(t.device != rows.device for t in (normed, weight, flag)):
+        devices = ", ".join(str(t.device) for t in (normed, weight, flag))
+        problems.append(f"the epilogue's tensors on {devices}, the rows on {rows.device}")
+    if problems:
+        raise ConfigError("ffn_residual's epilogue: " + "; ".join(problems))
+
+
 def refuse_epilogue(owner: str, epilogue: Epilogue | None) -> None:
     """ConfigError where an FFN would take its torch chain with an `epilogue`: only the Triton
     residual launch writes the next norm and the flag, and a caller reading them would read
@@ -473,11 +492,13 @@ def ffn_residual(
     launch where cuBLAS took a split-K GEMM and its reduce for a [T, H] x [H] product. `epilogue`:
     the same launch also writes the next norm of each row and the non-finite flag (`Epilogue`)."""
     launch.refuse_autograd("ffn_residual", residual_TH, y_TH, shared_TH, gate_rows_TH)
-    from epdraft.kernels.step._step_triton import ffn_residual_kernel
-
     given = [t for t in (residual_TH, y_TH, shared_TH) if t is not None]
     first = given[0]
     T, H = first.reshape(-1, first.shape[-1]).shape
+    if epilogue is not None:
+        _check_epilogue(epilogue, T, H, first)
+    from epdraft.kernels.step._step_triton import ffn_residual_kernel
+
     r2, y2, s2, gx2 = (_rows(t) if t is not None else None for t in (residual_TH, y_TH, shared_TH, gate_rows_TH))
     g2 = gate_T1.reshape(-1, 1) if gate_T1 is not None else None
     gw = gate_weight_1H.reshape(-1) if gate_weight_1H is not None else None
