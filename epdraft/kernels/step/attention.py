@@ -133,7 +133,8 @@ def _launch(q_NhBD, k_NgSD, v_NgSD, slots_N, kv_lens_N) -> torch.Tensor:
     chunk = math.ceil(math.ceil(S / splits) / _BLOCK_S) * _BLOCK_S
     # [N, B, h, D] memory, returned as its [N, h, B, D] view: the o_proj reads it without a copy
     out_NBhD = q_NhBD.new_empty(N, B, h, D)
-    # one split (32+ requests at 8 KV heads): the split launch writes the output, no partials, no merge
+    # one split (past 132 (request, KV head) pairs, e.g. 17+ requests at 8 KV heads, or <= 256 keys): the
+    # split launch writes the output, no partials, no merge
     finish = splits == 1
     if finish:
         acc = stat = out_NBhD  # never read nor written: stand-ins for the partials' pointer and strides
