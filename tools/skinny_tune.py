@@ -74,14 +74,17 @@ def main() -> None:
     p.add_argument("--shapes", default="",
                    help="comma list: only these presets' projections (issue13, v4like) or those whose name holds one")
     p.add_argument("--smem", type=int, default=0,
-                   help="KiB the stages' x and weight tiles may take before BLOCK_K is halved (default the "
-                   "launches' own, skinny._SMEM_BYTES): wide tiles at 128 rows past its 96 KiB")  # fmt: skip
+                   help="KiB the candidate tiles' stages of x and weight tiles may take before BLOCK_K is halved "
+                   "(default the launches' own, skinny._SMEM_BYTES): wide tiles at 128 rows past its 96 KiB; the "
+                   "check and the shipped config run as shipped")  # fmt: skip
     p.add_argument("--json", default="", help="append every config's time to this JSON-lines file")
     p.add_argument("--splits", action="store_true", help="the default config at K splits 1, 2, 4, 8 and the automatic one")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch without programmatic dependent launch: back-to-back calls of one projection then do "
                    "not prefetch the next call's weights while the current one streams")  # fmt: skip
     args = p.parse_args()
+    if args.smem and args.splits:
+        p.error("--smem sets the candidate tiles' budget; --splits times the shipped config only")
     with launch.pdl_off() if args.no_pdl else contextlib.nullcontext():
         if args.splits:
             return _splits([int(r) for r in args.rows.split(",")])
@@ -162,7 +165,8 @@ def _configs(args: argparse.Namespace) -> None:
     for (preset, T), totals in sorted(mix.items()):
         ranked = sorted((us, c) for c, us in totals.items())[:3]
         print(f"step mix {preset} T {T}: " + "  ".join(f"{c} {us:.1f} us" for us, c in ranked)
-              + f"  (the device's now: {totals.get((current, None), float('nan')):.1f} us)")
+              + f"  (the device's config{' at --smem' if args.smem else ''}: "
+              f"{totals.get((current, None), float('nan')):.1f} us)")
 
 
 def _splits(rows: list[int]) -> None:
