@@ -43,7 +43,10 @@ def test_block_attention_kernel_equals_reference(dtype, N, h, g, B, S):
 
 @contextlib.contextmanager
 def kernels_of(draft, kernels):
-    """Every module of `draft` runs `kernels` inside the block (they pick their path per call from it)."""
+    """Every module of `draft` holds `kernels` inside the block: what reads it per call (the step's
+    and the commit's loops, the attention's pool path, the FFN adds, the side stream) follows it; the
+    norms', the router's and the experts' launches were picked when the draft was built and stay (a
+    draft wholly on the torch chain is built with `kernels=StepKernels.reference()`)."""
     saved = [(m, m.kernels) for m in draft.modules() if hasattr(m, "kernels")]
     try:
         for m, _ in saved:
@@ -104,10 +107,11 @@ def test_pooled_step_equals_cache_step_in_bf16():
 @torch.no_grad()
 def test_step_norm_chain_and_flags_equal_the_torch_chain():
     """The Triton step's layer-to-layer chain (each layer's last launch writing the next layer's
-    input norm, the last layer's the final norm, and its own finite flag) against the same draft
-    on the torch chain: the read-out rows within bf16 roundings under norms of distinct weights
-    (a norm taken from the wrong layer would show), the flags equal; a NaN entering layer 1's FFN
-    flags layer 1 and not layer 0."""
+    input norm, the last layer's the final norm, and its own finite flag) against the same weights
+    in a draft built on the torch chain (norms, router, experts, attention, adds: all torch): the
+    read-out rows within bf16 roundings under norms of distinct weights (a norm taken from the
+    wrong layer would show), the flags equal; a NaN entering layer 1's FFN flags layer 1 and not
+    layer 0."""
     from epdraft.layers.step_kernels import StepKernels
 
     spec, draft, heads = _draft()
@@ -116,35 +120,34 @@ def test_step_norm_chain_and_flags_equal_the_torch_chain():
     for name, t in draft.named_parameters():
         if name.endswith("norm.weight"):
             t.copy_(1 + 0.5 * torch.randn(t.shape, generator=gen, device="cuda"))
+    reference = DFlashDraft(spec, dtype=torch.bfloat16, device="cuda", kernels=StepKernels.reference()).eval()
+    reference.load_state_dict(draft.state_dict())
     width = spec.num_target_features * spec.hidden_size
     features = [torch.randn(L, width, generator=gen, device="cuda").bfloat16() for L in (40, 1, 300)]
-    pool = draft.new_pool(max_requests=4, max_context=400)
-    for rid in range(3):
-        pool.admit(rid)
-    draft.extend(pool, [0, 1, 2], features)
-    slots = torch.tensor([pool.slot(r) for r in range(3)], device="cuda")
     anchors = torch.tensor([5, 6, 7], device="cuda")
-    read = []
-    read_out = draft.read_out
-
-    def spy(hidden, *args, **kw):
-        read.append(hidden.float().clone())
-        return read_out(hidden, *args, **kw)
-
-    draft.read_out = spy
-    try:
-        triton_step = draft.step(pool, slots, anchors, heads, None)
-        with kernels_of(draft, StepKernels.reference()):
-            torch_step = draft.step(pool, slots, anchors, heads, None)
-        got, ref = read
-        # per read-out row, the error relative to the row's scale: bf16 roundings move a row by ~1 %;
-        # a norm of the wrong layer (weights 1 + 0.5 N(0, 1) apart) by tens of % in every row. A
-        # token whose roundings flip a near-tie in its top-2 of 8 experts differs as a whole row, so
-        # a few rows may (one in ten at most). tools/step_interpret.py holds the chain in fp32.
-        rel = ((got - ref).abs().mean(-1) / ref.abs().mean(-1)).flatten()
-        assert rel.median() <= 0.03 and (rel > 0.1).float().mean() <= 0.1, sorted(rel.tolist())
-        assert triton_step.finite_L.tolist() == torch_step.finite_L.tolist() == [True, True]
-        draft.layers[1].post_attention_layernorm.weight[0] = float("nan")
-        assert draft.step(pool, slots, anchors, heads, None).finite_L.tolist() == [True, False]
-    finally:
-        del draft.read_out
+    read, steps, pools = [], [], []
+    for d in (draft, reference):
+        pool = d.new_pool(max_requests=4, max_context=400)
+        for rid in range(3):
+            pool.admit(rid)
+        d.extend(pool, [0, 1, 2], features)
+        slots = torch.tensor([pool.slot(r) for r in range(3)], device="cuda")
+        read_out = d.read_out
+        d.read_out = lambda hidden, *args, read_out=read_out, **kw: read.append(hidden.float().clone()) or read_out(
+            hidden, *args, **kw)  # fmt: skip
+        try:
+            steps.append(d.step(pool, slots, anchors, heads, None))
+        finally:
+            del d.read_out
+        pools.append((pool, slots))
+    got, ref = read
+    # per read-out row, the error relative to the row's scale: bf16 roundings move a row by ~1 %;
+    # a norm of the wrong layer (weights 1 + 0.5 N(0, 1) apart) by tens of % in every row. A
+    # token whose roundings flip a near-tie in its top-2 of 8 experts differs as a whole row, so
+    # a few rows may (one in ten at most). tools/step_interpret.py holds the chain in fp32.
+    rel = ((got - ref).abs().mean(-1) / ref.abs().mean(-1)).flatten()
+    assert rel.median() <= 0.03 and (rel > 0.1).float().mean() <= 0.1, sorted(rel.tolist())
+    assert steps[0].finite_L.tolist() == steps[1].finite_L.tolist() == [True, True]
+    draft.layers[1].post_attention_layernorm.weight[0] = float("nan")
+    pool, slots = pools[0]
+    assert draft.step(pool, slots, anchors, heads, None).finite_L.tolist() == [True, False]

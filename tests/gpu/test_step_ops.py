@@ -231,7 +231,8 @@ def test_router_logits_of_a_row_do_not_depend_on_the_rows_around_it(E, H, rows):
 def test_router_topk_is_router_logits_then_topk_route(E, H, T):
     """`router_topk` routes a row tile in the logits launch's last H slice to finish (8 experts in
     32 slices up to 128 rows, 24 in one slice at H = 96, 12 in 8 slices at H = 1000; 256 experts
-    take the two launches): the two launches' bits, every time, the arrival counts left zeroed."""
+    take the two launches): the two launches' bits, every time, the one launch's arrival counts left
+    zeroed."""
     gen = torch.Generator(device="cuda").manual_seed(E + H + T)
     x = torch.randn(T, H, generator=gen, device="cuda").bfloat16()
     w = torch.randn(E, H, generator=gen, device="cuda") * H**-0.5
@@ -242,8 +243,9 @@ def test_router_topk_is_router_logits_then_topk_route(E, H, T):
         for _ in range(3):
             got = step_ops.router_topk(x, w, selection)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    torch.cuda.synchronize()
-    assert not launch.zeroed_counts("router_topk", x.device, step_ops._ROUTER_MAX_TILES).any()
+    if E <= step_ops.ROUTER_KERNEL_ANY_ROWS_EXPERTS:  # the one launch, which counts arrivals
+        torch.cuda.synchronize()
+        assert not launch.zeroed_counts("router_topk", x.device, step_ops._ROUTER_MAX_TILES).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
