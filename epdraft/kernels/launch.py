@@ -11,7 +11,8 @@ dependent access, so "kernel k finished" still implies "every kernel before k fi
 order that torch's caching allocator and the step's buffers rely on holds.
 
 `kwargs(device)` is what a launch adds: `PDL` (the kernels' constexpr) and Triton's `launch_pdl`.
-`next_pow2` rounds a size up to the power-of-two tiles Triton takes.
+`next_pow2` rounds a size up to the power-of-two tiles Triton takes. `host_ints` hands an eager
+step's few host ints (slots, anchors, counts) to the device without waiting for it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import contextlib
 import functools
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -125,6 +126,15 @@ def zeroed_counts(owner: str, device: torch.device, size: int) -> torch.Tensor:
     if size > _counts[key].numel():
         raise ConfigError(f"{owner}: {size} arrival counts asked for, {_counts[key].numel()} made on {device}")
     return _counts[key]
+
+
+def host_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """int64 [len(values)] on `device`, queued behind the work already on its stream without the
+    host waiting: on CUDA through pinned memory and an asynchronous copy (`torch.tensor(values,
+    device=cuda)` copies from pageable memory and synchronizes the stream; torch's pinned-memory
+    cache keeps the staging block until the copy has run)."""
+    host = torch.tensor(values, dtype=torch.long)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 def next_pow2(n: int) -> int:

@@ -24,6 +24,7 @@ import torch
 
 from epdraft.config.sampling import SamplingParams
 from epdraft.errors import RequestError
+from epdraft.kernels import launch
 from epdraft.kernels.step import ops as step_ops
 from epdraft.sampling import Readout, SamplingBatch
 
@@ -149,9 +150,8 @@ class RequestSlots:
         for rid, n in zip(request_ids, counts):
             self.check_room(rid, n)
         if sum(counts):
-            device = rows_TF.device
-            slots_N = torch.tensor([self.slot(r) for r in request_ids], dtype=torch.long, device=device)
-            write(slots_N, torch.tensor(list(counts), dtype=torch.long, device=device), rows_TF)
+            slots_N = launch.host_ints([self.slot(r) for r in request_ids], rows_TF.device)
+            write(slots_N, launch.host_ints(counts, rows_TF.device), rows_TF)
         for rid, n in zip(request_ids, counts):
             self.book(rid, n)
 

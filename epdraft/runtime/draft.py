@@ -46,6 +46,7 @@ from epdraft.config.parallel import DEFAULT_HANG_TIMEOUT_S, ParallelConfig
 from epdraft.config.sampling import SamplingParams
 from epdraft.dispatch import MoeLayout, StepPlan, make_dispatcher
 from epdraft.errors import ConfigError, EpdraftError, NonFiniteError, ParallelError, RequestError
+from epdraft.kernels import launch
 from epdraft.layers.moe import DraftMoE
 from epdraft.layers.step_kernels import StepKernels, default_dtype, log_choice
 from epdraft.models.checkpoint import load_draft, read_draft_spec
@@ -348,9 +349,7 @@ class DraftRuntime:
                     out = self.graphs.run(slots, tokens, plan, readout=readout)
             else:
                 with self._phase("draft_attention"):
-                    device = self.draft.device
-                    slots_N = torch.tensor(slots, dtype=torch.long, device=device)
-                    anchors_N = torch.tensor(tokens, dtype=torch.long, device=device)
+                    slots_N, anchors_N = (launch.host_ints(v, self.draft.device) for v in (slots, tokens))
                     out = self.draft.step(self.pool, slots_N, anchors_N, self.heads, plan, readout=readout)
         except EpdraftError:
             raise

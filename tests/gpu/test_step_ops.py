@@ -498,3 +498,19 @@ def test_step_blocks_launch_equals_the_steps_torch_chain(N, B, L):
     want = chained.block_inputs(anchors_N, slots_N, lengths)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+def test_host_ints_reach_the_device_without_a_host_sync():
+    """An eager step's slots, anchors and counts (`launch.host_ints`): queued behind the stream's
+    work (a sleep here) without the host waiting, and right once it ran; `torch.tensor(values,
+    device=cuda)`, which it replaces, is refused under the same sync check."""
+    device = torch.device("cuda")
+    torch.cuda._sleep(50_000_000)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = launch.host_ints([3, 1, 4, 1, 5], device)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            torch.tensor([3, 1, 4], device=device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got.dtype == torch.long and got.tolist() == [3, 1, 4, 1, 5]
