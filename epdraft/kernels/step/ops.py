@@ -340,7 +340,8 @@ def router_topk(x_TH: torch.Tensor, weight_EH: torch.Tensor, selection: Selectio
     """
     T, H = x_TH.shape
     E = weight_EH.shape[0]
-    splits = -(-H // _router_split(H))
+    split_h = _router_split(H)
+    splits = -(-H // split_h)
     if not 0 < T <= ROUTER_KERNEL_MAX_ROWS or _route_rows(splits, E) != _ROUTER_ROWS:
         return topk_route(router_logits(x_TH, weight_EH), selection)
     launch.refuse_autograd("router_topk", x_TH)
@@ -354,11 +355,11 @@ def router_topk(x_TH: torch.Tensor, weight_EH: torch.Tensor, selection: Selectio
     ids = torch.empty(T, selection.top_k, dtype=torch.long, device=x.device)
     weights = torch.empty(T, selection.top_k, dtype=torch.float32, device=x.device)
     route_args, constexprs = selection.launch_args(partials)
-    block_e, block_h = _router_tiles(E, _router_split(H))
+    block_e, block_h = _router_tiles(E, split_h)
     router_topk_kernel[(tiles, splits)](
         x, w, partials, launch.zeroed_counts("router_topk", x.device, _ROUTER_MAX_TILES), *route_args[:2], ids,
         weights, T, E, H, x.stride(0), w.stride(0), partials.stride(0), partials.stride(1), *route_args[2:],
-        SPLIT_H=_router_split(H), BLOCK_T=_ROUTER_ROWS, BLOCK_E=block_e, BLOCK_H=block_h, SPLITS=splits,
+        SPLIT_H=split_h, BLOCK_T=_ROUTER_ROWS, BLOCK_E=block_e, BLOCK_H=block_h, SPLITS=splits,
         ROUTE_E=max(16, next_pow2(E)), **constexprs, num_warps=4, **launch.kwargs(x.device),
     )  # fmt: skip
     return ids, weights
